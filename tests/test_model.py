@@ -1,0 +1,126 @@
+"""harvest's forward equals HF transformers' own values at every capture point, for every family."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hf_reference as ref
+from harvest.model.config import ModelConfig
+from harvest.model.points import parse_points
+from harvest.model.transformer import captures_by_key, forward
+from harvest.model.weights import load_params
+from harvest.runtime.mesh import constrainer, make_mesh
+
+ALL_POINTS = ",".join(f"{p}:all" for p in ref.POINTS)
+fwd = jax.jit(forward, static_argnames=("cfg", "plan", "constrain"))
+
+
+def run(ckpt, ids, segments=None, dtype=np.float32, points=ALL_POINTS, mesh=None):
+    cfg = ModelConfig.from_dir(ckpt)
+    plan = parse_points(points, cfg.num_layers)
+    params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
+    segments = np.ones_like(ids) if segments is None else segments
+    out = fwd(params, jnp.asarray(ids, jnp.int32), jnp.asarray(segments, jnp.int32),
+              cfg=cfg, plan=plan, constrain=constrainer(mesh))
+    return {k: np.asarray(v, np.float32) for k, v in captures_by_key(plan, out).items()}
+
+
+def assert_close(ours, theirs, rtol):
+    """Relative to each tensor's scale: elementwise relative error blows up near zero."""
+    for key, want in theirs.items():
+        scale = float(np.max(np.abs(want)))
+        np.testing.assert_allclose(ours[key], want, rtol=rtol, atol=rtol * scale, err_msg=str(key))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.RandomState(0).randint(0, 211, (2, 19))
+
+
+@pytest.mark.parametrize("dialect", ["v5", "v4"])
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_fp32_every_point_equals_hf(family, dialect, tokens, tmp_path):
+    ckpt = ref.build_checkpoint(family, tmp_path)
+    if dialect == "v4":
+        ref.to_v4_dialect(ckpt)
+    ours = run(ckpt, tokens)
+    theirs = ref.hf_captures(ckpt, tokens)
+    assert set(ours) == set(theirs)
+    assert_close(ours, theirs, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ref.FAMILIES)
+def test_bf16_equals_hf_within_bf16_rounding(family, tokens, tmp_path):
+    """bf16 differs from exact math by rounding; ours may differ from HF's bf16 by no more than HF's own bf16
+    differs from fp32 on the same weights (x1.5), and by no more than 2^-4 of the tensor's scale."""
+    ckpt = ref.build_checkpoint(family, tmp_path, dtype="bfloat16")
+    ours = run(ckpt, tokens, dtype=jnp.bfloat16)
+    theirs = ref.hf_captures(ckpt, tokens, dtype="bfloat16")
+    exact = ref.hf_captures(ckpt, tokens, dtype="float32")
+    for key, want in theirs.items():
+        scale = float(np.max(np.abs(want)))
+        hf_rounding = float(np.max(np.abs(want - exact[key])))
+        ours_error = float(np.max(np.abs(ours[key] - want)))
+        assert ours_error <= 1.5 * hf_rounding + 2**-8 * scale, (key, ours_error, hf_rounding)
+        assert ours_error <= 2**-4 * scale, (key, ours_error, scale)
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("mistral", {"sliding_window": 5}),
+     ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})],
+    ids=["mistral-all-layers", "qwen2-upper-layers"],
+)
+def test_sliding_window_attention_equals_hf(family, overrides, tokens, tmp_path):
+    ckpt = ref.build_checkpoint(family, tmp_path, overrides=overrides)
+    windows = ModelConfig.from_dir(ckpt).sliding_windows
+    assert any(windows) and (family == "mistral" or windows[0] is None)
+    assert_close(run(ckpt, tokens), ref.hf_captures(ckpt, tokens), rtol=1e-5)
+
+
+def test_untied_qwen2_and_tied_llama(tokens, tmp_path):
+    for family, tie in (("qwen2", False), ("llama", True)):
+        ckpt = ref.build_checkpoint(family, tmp_path / family, tie=tie)
+        assert_close(run(ckpt, tokens), ref.hf_captures(ckpt, tokens), rtol=1e-5)
+
+
+def test_packed_samples_get_the_values_they_get_alone(tmp_path):
+    ckpt = ref.build_checkpoint("qwen3", tmp_path)
+    rng = np.random.RandomState(1)
+    lengths = [[5, 7, 4], [11, 6]]
+    seq = 18
+    ids = rng.randint(0, 211, (len(lengths), seq))
+    segments = np.zeros_like(ids)  # 0 = padding after the last sample
+    for row, lens in enumerate(lengths):
+        segments[row, : sum(lens)] = np.repeat(np.arange(1, len(lens) + 1), lens)
+    packed = run(ckpt, ids, segments)
+    for row, lens in enumerate(lengths):
+        start = 0
+        for n in lens:
+            alone = run(ckpt, ids[row : row + 1, start : start + n])
+            packed_part = {k: v[row : row + 1, start : start + n] for k, v in packed.items()}
+            assert_close(packed_part, alone, rtol=1e-5)
+            start += n
+
+
+def test_early_exit_runs_only_needed_layers_and_matches(tokens, tmp_path):
+    ckpt = ref.build_checkpoint("llama", tmp_path, num_layers=4)
+    ours = run(ckpt, tokens, points="attn_out:0,resid_post:1")
+    assert sorted(ours) == [("attn_out", 0), ("resid_post", 1)]
+    theirs = ref.hf_captures(ckpt, tokens)
+    assert_close(ours, {k: theirs[k] for k in ours}, rtol=1e-5)
+    cfg = ModelConfig.from_dir(ckpt)
+    params = load_params(ckpt, cfg, num_layers=2)
+    assert params["layers"]["q_proj"].shape[0] == 2
+
+
+@pytest.mark.parametrize("mesh_spec", ["1d", "2d", "3d", "data=2,fsdp=2,model=2", "data=8"])
+def test_sharded_forward_equals_unsharded(mesh_spec, tmp_path):
+    assert jax.device_count() == 8, "conftest sets 8 CPU devices"
+    ckpt = ref.build_checkpoint("qwen2", tmp_path, num_layers=2)
+    ids = np.random.RandomState(2).randint(0, 211, (8, 12))
+    segments = np.repeat([[1] * 5 + [2] * 7], 8, axis=0)
+    single = run(ckpt, ids, segments)
+    mesh = make_mesh(mesh_spec)
+    assert_close(run(ckpt, ids, segments, mesh=mesh), single, rtol=1e-5)
