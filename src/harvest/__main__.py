@@ -1,0 +1,5 @@
+import sys
+
+from harvest.cli import main
+
+sys.exit(main())
