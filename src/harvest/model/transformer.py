@@ -145,7 +145,9 @@ def forward(
             jnp.zeros((len(layers) + 1, batch, seq, _width(cfg, point)), dtype), ("capture", "batch", "seq", None)
         )
 
-    h = constrain(params["embed"][tokens], ("batch", "seq", None))
+    # Gather the table's fsdp-split dim first: a lookup from a table split on both dims is replicated.
+    table = constrain(params["embed"], ("vocab", None))
+    h = constrain(table[tokens], ("batch", "seq", None))
 
     def step(carry, i):
         h, buffers = carry

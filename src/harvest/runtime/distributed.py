@@ -1,0 +1,157 @@
+"""Joining the processes of a multi-host run. Call `initialize()` first, before any other JAX call.
+
+Settings come from flags (`--coordinator`, `--num-processes`, `--process-id`), else from the env
+JAX_COORDINATOR_ADDRESS / JAX_PROCESS_COUNT / JAX_PROCESS_INDEX, else from JAX's own detection of a
+TPU pod or a multi-task SLURM job; with none of these it is one process and nothing is started.
+The timeouts are passed on to JAX so a peer that never comes, or dies, is an error in bounded time
+instead of a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Mapping
+
+import jax
+
+from harvest.errors import UserError
+
+FIELDS = ("coordinator", "num_processes", "process_id")
+ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_PROCESS_COUNT",
+       "process_id": "JAX_PROCESS_INDEX"}
+FLAGS = {"coordinator": "--coordinator", "num_processes": "--num-processes", "process_id": "--process-id"}
+_WHAT = {"coordinator": "coordinator address", "num_processes": "process count", "process_id": "process id"}
+# JAX cluster detectors we trust to mean "several hosts of one job". Not k8s (any pod in a cluster
+# looks like one) nor MPI launchers: there, set the env variables above.
+AUTO_CLUSTERS = ("slurm", "gketpu", "gcetpu")
+
+
+class DistributedError(UserError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    process_index: int
+    process_count: int
+    local_device_count: int
+    device_count: int
+    coordinator: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What initialize() does: join `num_processes` via `coordinator`, or let JAX's `cluster` detector fill all in."""
+
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    cluster: str | None = None
+
+    @property
+    def multi(self) -> bool:
+        return self.cluster is not None or self.num_processes > 1
+
+
+def detect_cluster() -> str | None:
+    """Name of the first JAX cluster detector (of AUTO_CLUSTERS) that finds a job of more than one process.
+
+    Reuses jax._src.clusters (what jax.distributed.initialize itself consults) rather than guessing
+    env variables: SLURM needs SLURM_JOB_ID/STEP_NODELIST/NTASKS/PROCID/LOCALID; TPU needs a Cloud TPU
+    VM with TPU_WORKER_HOSTNAMES/TPU_PROCESS_ADDRESSES (GKE) or GCE metadata; MEGASCALE_* adds slices.
+    A single-process job (SLURM_NTASKS=1, a one-host TPU VM) needs no coordinator and gets none.
+    """
+    try:
+        from jax._src import clusters
+    except ImportError:  # private module; without it, only explicit settings work
+        return None
+    for env in getattr(clusters.ClusterEnv, "_cluster_types", []):
+        if env.name in AUTO_CLUSTERS and not env.opt_in_only_method and env.is_env_present():
+            if env.get_process_count() > 1:
+                return env.name
+    return None
+
+
+def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+            env: Mapping[str, str] | None = None, detect=detect_cluster) -> Settings:
+    """Each setting from its argument, else its env variable; all or none. None at all: `detect()`."""
+    env = os.environ if env is None else env
+    given = dict(zip(FIELDS, (coordinator, num_processes, process_id)))
+    for key in FIELDS:
+        raw = env.get(ENV[key], "").strip()
+        if given[key] is None and raw:
+            given[key] = raw
+            if key != "coordinator":
+                try:
+                    given[key] = int(raw)
+                except ValueError:
+                    raise DistributedError(f"{ENV[key]}={raw!r}: expected an integer") from None
+    coord, n, pid = (given[k] for k in FIELDS)
+    if coord is None and n is None and pid is None:
+        cluster = detect()
+        return Settings(cluster=cluster) if cluster else Settings()
+    if n == 1 and pid in (None, 0):
+        return Settings()  # one process needs no coordinator
+    missing = [f"{_WHAT[k]} ({FLAGS[k]} or {ENV[k]})" for k in FIELDS if given[k] is None]
+    if missing:
+        have = ", ".join(_WHAT[k] for k in FIELDS if given[k] is not None)
+        raise DistributedError(f"multi-host settings incomplete: {have} given, missing {' and '.join(missing)}")
+    if n < 1 or not 0 <= pid < n:
+        raise DistributedError(f"process id {pid} with {n} processes: need 0 <= process id < process count")
+    if not re.fullmatch(r"\S+:\d+", coord):
+        raise DistributedError(f"coordinator {coord!r}: expected HOST:PORT, e.g. 10.0.0.1:8476")
+    return Settings(coord, n, pid)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, timeout_s: int = 60) -> ProcessInfo:
+    """Join the other processes (or do nothing for one); idempotent.
+
+    `timeout_s` bounds waiting for all processes to connect, and is the heartbeat timeout after which
+    a silent peer counts as dead (the others then fail instead of waiting forever) and the limit of
+    the shutdown barrier at exit. Note: JAX 0.10 does not raise when connecting times out; it aborts
+    the process (SIGABRT, "DEADLINE_EXCEEDED ... RegisterTask") about timeout_s + a few s later.
+    """
+    settings = resolve(coordinator, num_processes, process_id)
+    if jax.distributed.is_initialized():
+        if settings.cluster is None and settings.multi and (
+                (settings.num_processes, settings.process_id) != (jax.process_count(), jax.process_index())):
+            raise DistributedError(f"already joined as process {jax.process_index()} of {jax.process_count()}; "
+                                   f"cannot rejoin as {settings.process_id} of {settings.num_processes}")
+    elif settings.multi:
+        # gloo is jax 0.10's default for CPU collectives; set it anyway so CPU runs never fall back to none.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        explicit = settings.cluster is None
+        try:
+            jax.distributed.initialize(
+                settings.coordinator,
+                settings.num_processes if explicit else None,
+                settings.process_id if explicit else None,
+                cluster_detection_method="deactivate" if explicit else settings.cluster,
+                initialization_timeout=timeout_s,
+                heartbeat_timeout_seconds=timeout_s,
+                shutdown_timeout_seconds=timeout_s,
+            )
+        except RuntimeError as e:  # e.g. called after a JAX computation; JaxRuntimeError is one too
+            where = (f"process {settings.process_id} of {settings.num_processes} via {settings.coordinator}"
+                     if explicit else f"{settings.cluster} cluster")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DistributedError(f"cannot join the run as {where}: {first}") from e
+    return ProcessInfo(
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        local_device_count=jax.local_device_count(),
+        device_count=jax.device_count(),
+        coordinator=_coordinator(),
+    )
+
+
+def _coordinator() -> str | None:
+    """The address JAX joined through (also when its cluster detector chose it); None for one process."""
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed  # not re-exported by jax.distributed
+
+    return getattr(distributed.global_state, "coordinator_address", None)
