@@ -1,0 +1,160 @@
+"""The output format: names, shard tensors, sidecar manifest, run.json, and exactly mergeable stats.
+
+```
+OUT/run.json                               what the run is (model, points, dtypes, config, hash)
+OUT/stream_00003/shard_000012.safetensors  {point}.{layer} [n_tokens, d], tokens [n_tokens] int32,
+                                           offsets [n+1] int64, sample_ids [n] int64, variants [n] int32
+OUT/stream_00003/shard_000012.json         the commit marker: written after the data; without it the
+                                           shard does not exist
+OUT/stream_00003/progress.json             for `harvest status`; never read for correctness
+OUT/stream_00003/lease.json                who writes this stream
+```
+A stream is a sequence of *pieces*: (index, variant), index = the record's line in the stream,
+variant = which of the pieces a record gave (ARC augmentations, chunks of a long text). A shard
+holds a contiguous run of one stream's pieces; its sidecar records `start`/`next` (positions) and
+`row_start`, the position where the packed row holding `next` begins, from which a resume re-packs.
+
+run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
+hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
+dtype, compute_dtype, max_seq_len, long, format, data: {source, num_streams, counts (null when
+unknown)}, config (every setting), config_sha256}.
+
+progress.json: {stream, records_done, total (null when unknown), samples, tokens, shards,
+tokens_per_s, worker, updated_at (ISO 8601 UTC), done}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+FORMAT_VERSION = 1
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+
+
+def stream_dir(stream: int) -> str:
+    return f"stream_{stream:05d}"
+
+
+def shard_stem(shard: int) -> str:
+    return f"shard_{shard:06d}"
+
+
+def tensor_name(point: str, layer: int) -> str:
+    return f"{point}.{layer}"
+
+
+Position = tuple[int, int]  # (index in stream, variant)
+
+
+def encode_shard(
+    activations: dict[str, np.ndarray],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    sample_ids: np.ndarray,
+    variants: np.ndarray,
+    metadata: dict[str, str],
+) -> bytes:
+    """Shard bytes; deterministic for the same inputs (safetensors orders tensors by name)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    tensors = {
+        **activations,
+        "tokens": np.ascontiguousarray(tokens, np.int32),
+        "offsets": offsets,
+        "sample_ids": np.ascontiguousarray(sample_ids, np.int64),
+        "variants": np.ascontiguousarray(variants, np.int32),
+    }
+    return st_save(tensors, metadata={"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata})
+
+
+def decode_shard(data: bytes) -> dict[str, np.ndarray]:
+    return st_load(data)
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass
+class RunningStats:
+    """Per-dimension count, mean and M2 in float64 (Welford/Chan): shards merge exactly, in any order."""
+
+    count: int
+    mean: np.ndarray
+    m2: np.ndarray
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> RunningStats:
+        x = np.asarray(values, np.float64)
+        mean = x.mean(axis=0) if len(x) else np.zeros(x.shape[1])
+        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0))
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        n = self.count + other.count
+        if n == 0:
+            return self
+        delta = other.mean - self.mean
+        mean = self.mean + delta * (other.count / n)
+        m2 = self.m2 + other.m2 + delta**2 * (self.count * other.count / n)
+        return RunningStats(n, mean, m2)
+
+    @property
+    def var(self) -> np.ndarray:
+        return self.m2 / max(self.count - 1, 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"count": self.count, "mean": self.mean.tolist(), "m2": self.m2.tolist()}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RunningStats:
+        return cls(int(obj["count"]), np.asarray(obj["mean"], np.float64), np.asarray(obj["m2"], np.float64))
+
+
+def sidecar(
+    *,
+    stream: int,
+    shard: int,
+    data: bytes,
+    start: Position,
+    next: Position,
+    row_start: Position,
+    samples: int,
+    tokens: int,
+    stats: dict[str, RunningStats],
+    skipped: list[dict[str, Any]],
+    long: dict[str, int],
+    final: bool,
+    records: int,
+) -> dict[str, Any]:
+    """The commit marker and manifest entry of one shard.
+
+    `skipped`: bad records and skipped long samples in [start, next), each {sample_id, location, reason}.
+    `long`: counts of truncated/skipped/chunked records in this shard's range.
+    `records`: records of the stream read through `next`; with `final` (the stream ends with this shard,
+    which may then hold no samples), all the stream's records.
+    """
+    return {
+        "format_version": FORMAT_VERSION,
+        "stream": stream,
+        "shard": shard,
+        "file": shard_stem(shard) + ".safetensors",
+        "bytes": len(data),
+        "sha256": sha256(data),
+        "start": list(start),
+        "next": list(next),
+        "row_start": list(row_start),
+        "samples": samples,
+        "tokens": tokens,
+        "stats": {name: s.to_json() for name, s in stats.items()},
+        "skipped": skipped,
+        "long": long,
+        "final": final,
+        "records": records,
+    }
