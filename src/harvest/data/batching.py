@@ -1,42 +1,169 @@
-"""Packing token sequences into fixed [batch, seq] rows with segment ids (0 = padding).
+"""Records -> token pieces (with the long-sample policy) -> packed rows of fixed length.
 
-Rows are filled greedily in sample order, so the packing is a pure function of the sample sequence:
-a rerun packs every sample into the same row at the same offset (and rounds the same way).
+A stream becomes a sequence of *pieces* at positions (index, variant): index is the record's line in
+the stream, variant which of the record's pieces it is (ARC augmentations, chunks of a long text).
+Rows are filled greedily in stream order and never span two streams, so packing is a pure function
+of the stream: a resume that re-packs from a row's first piece rebuilds the same rows, and every
+sample sits at the same offset and rounds the same way as in the first run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from harvest.errors import UserError
+
+Position = tuple[int, int]
+BLOCK = 64  # records tokenized together: one call into the Rust tokenizer per block
+
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where one sample sits in the packed batch."""
+class Piece:
+    pos: Position
+    sample_id: int
+    tokens: np.ndarray  # int32
+    long: str | None = None  # "truncated", or "chunked" on a record's first chunk
 
-    row: int
-    start: int
-    length: int
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    pos: Position
+    sample_id: int
+    location: str
+    reason: str
+    long: bool = False  # skipped for length by --long skip, not bad input
 
 
-def pack_rows(samples: list[np.ndarray], seq_len: int) -> tuple[np.ndarray, np.ndarray, list[Placement]]:
-    """Greedy in-order packing; each sample must fit in one row. Returns tokens, segment_ids, placements."""
-    placements = []
-    row, used = -1, seq_len  # forces a first row
-    for sample in samples:
-        if len(sample) > seq_len:
-            raise ValueError(f"sample of {len(sample)} tokens does not fit a row of {seq_len}")
-        if used + len(sample) > seq_len:
-            row, used = row + 1, 0
-        placements.append(Placement(row, used, len(sample)))
-        used += len(sample)
-    tokens = np.zeros((row + 1, seq_len), np.int32)
-    segments = np.zeros((row + 1, seq_len), np.int32)
-    segment, last_row = 0, -1
-    for p, sample in zip(placements, samples):
-        segment = segment + 1 if p.row == last_row else 1
-        last_row = p.row
-        tokens[p.row, p.start : p.start + p.length] = sample
-        segments[p.row, p.start : p.start + p.length] = segment
-    return tokens, segments, placements
+@dataclasses.dataclass(frozen=True)
+class StreamEnd:
+    records: int  # records the stream held (or that --max-samples let through)
+
+
+Event = Piece | Skip | StreamEnd
+
+
+@dataclasses.dataclass
+class Row:
+    """One packed row: the pieces in it (and skips met while filling it), in stream order."""
+
+    tokens: np.ndarray
+    segments: np.ndarray
+    start: Position | None = None  # position of the first piece; None for a row without pieces
+    used: int = 0
+    pieces: int = 0
+    events: list[tuple[Event, int]] = dataclasses.field(default_factory=list)  # (event, offset in row)
+    end: StreamEnd | None = None
+
+
+def stream_pieces(
+    records: Iterable,
+    render: Callable,
+    encode: Callable[[list[str]], list[list[int]]],
+    *,
+    first_index: int,
+    max_seq_len: int,
+    long: str,
+    strict: bool,
+    sample_error: type[Exception],
+) -> Iterator[Event]:
+    """Pieces and skips of a stream, records numbered from `first_index`, ending with StreamEnd."""
+    index = first_index
+    block: list = []
+    for record in records:
+        block.append(record)
+        if len(block) == BLOCK:
+            yield from _block_events(block, index, render, encode, max_seq_len, long, strict, sample_error)
+            index += len(block)
+            block = []
+    yield from _block_events(block, index, render, encode, max_seq_len, long, strict, sample_error)
+    yield StreamEnd(index + len(block))
+
+
+def _block_events(block, first, render, encode, max_seq_len, long, strict, sample_error) -> Iterator[Event]:
+    texts: list[str] = []
+    owners: list[int] = []
+    failures: dict[int, str] = {}
+    for k, record in enumerate(block):
+        reason = record.error
+        if reason is None:
+            try:
+                rendered = render(record)
+                texts.extend(rendered)
+                owners.extend([k] * len(rendered))
+            except sample_error as e:
+                reason = getattr(e, "reason", str(e))
+        if reason is not None:
+            if strict:
+                raise UserError(f"{record.location}: {reason} (--strict stops at the first bad input)")
+            failures[k] = reason
+    ids = encode(texts) if texts else []
+    by_record: dict[int, list[list[int]]] = {}
+    for owner, tokens in zip(owners, ids):
+        by_record.setdefault(owner, []).append(tokens)
+    for k, record in enumerate(block):
+        index = first + k
+        if k in failures:
+            yield Skip((index, 0), record.sample_id, record.location, failures[k])
+            continue
+        variants = by_record.get(k, [])
+        if not variants:
+            yield Skip((index, 0), record.sample_id, record.location, "no prompts")
+            continue
+        longest = max((len(t) for t in variants), default=0)
+        if long == "skip" and longest > max_seq_len:
+            yield Skip((index, 0), record.sample_id, record.location,
+                       f"{longest} tokens > --max-seq-len {max_seq_len} (--long skip)", long=True)
+            continue
+        variant = 0
+        for tokens in variants:
+            if not tokens:  # the position is used up, so the next piece's differs (resume compares them)
+                yield Skip((index, variant), record.sample_id, record.location, "no tokens")
+                variant += 1
+                continue
+            array = np.asarray(tokens, np.int32)
+            if len(array) <= max_seq_len:
+                pieces = [(array, None)]
+            elif long == "truncate":
+                pieces = [(array[:max_seq_len], "truncated")]
+            else:
+                pieces = [(array[i : i + max_seq_len], "chunked" if i == 0 else None)
+                          for i in range(0, len(array), max_seq_len)]
+            for piece, note in pieces:
+                yield Piece((index, variant), record.sample_id, piece, note)
+                variant += 1
+
+
+def pack_stream(events: Iterable[Event], seq_len: int, skip_before: Position = (0, 0)) -> Iterator[Row]:
+    """Greedy in-order packing into rows of `seq_len`; the last row carries the StreamEnd.
+
+    Pieces before `skip_before` (the row start a resume re-packs from) are dropped unseen.
+    """
+    row = _empty_row(seq_len)
+    for event in events:
+        if isinstance(event, StreamEnd):
+            row.end = event
+            yield row
+            return
+        if event.pos < skip_before:
+            continue
+        if isinstance(event, Skip):
+            row.events.append((event, row.used))
+            continue
+        n = len(event.tokens)
+        if row.used + n > seq_len and row.start is not None:
+            yield row
+            row = _empty_row(seq_len)
+        if row.start is None:
+            row.start = event.pos
+        row.pieces += 1
+        row.tokens[row.used : row.used + n] = event.tokens
+        row.segments[row.used : row.used + n] = row.pieces
+        row.events.append((event, row.used))
+        row.used += n
+
+
+def _empty_row(seq_len: int) -> Row:
+    return Row(np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32))

@@ -33,10 +33,13 @@ class Decoder:
     plan: CapturePlan
     params: dict
     mesh: Mesh
+    out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
 
     def __post_init__(self):
         # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
-        self._forward = jax.jit(partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrainer(self.mesh)))
+        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrainer(self.mesh))
+        dtype = self.out_dtype and jnp.dtype(self.out_dtype)
+        self._forward = jax.jit(lambda *args: {p: v.astype(dtype or v.dtype) for p, v in run(*args).items()})
 
     def shard_batch(self, array: np.ndarray) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
@@ -53,11 +56,12 @@ class Decoder:
         return captures_by_key(self.plan, self(tokens, segment_ids))
 
 
-def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None) -> Decoder:
+def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
+                 out_dtype: str | None = None) -> Decoder:
     """Read config and weights (only the layers the points need) straight into the mesh."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
-    return Decoder(cfg, plan, params, mesh)
+    return Decoder(cfg, plan, params, mesh, out_dtype)

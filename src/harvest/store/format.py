@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import struct
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
 import numpy as np
-from safetensors.numpy import load as st_load
+import safetensors
 from safetensors.numpy import save as st_save
 
 FORMAT_VERSION = 1
@@ -74,8 +76,41 @@ def encode_shard(
     return st_save(tensors, metadata={"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata})
 
 
+# safetensors dtype tags -> numpy: safetensors.numpy.load has no BF16 entry, so shards are decoded here.
+_ST_DTYPES = {
+    "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
+}
+
+
 def decode_shard(data: bytes) -> dict[str, np.ndarray]:
-    return st_load(data)
+    """Shard bytes -> {name: array}, bf16 included (as ml_dtypes.bfloat16). Raises ValueError if unreadable."""
+    try:
+        views = safetensors.deserialize(data)
+    except Exception as e:  # safetensors raises its own SafetensorError for malformed headers
+        raise ValueError(f"not a readable safetensors file ({e})") from None
+    out = {}
+    for name, view in views:
+        dtype = _ST_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {view['dtype']}")
+        out[name] = np.frombuffer(view["data"], dtype).reshape(view["shape"])
+    return out
+
+
+def shard_metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's `__metadata__` (format, format_version, ...), parsed as JSON only."""
+    if len(data) < 8:
+        raise ValueError("not a readable safetensors file (shorter than its header length)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise ValueError("not a readable safetensors file (header length past the end)")
+    try:
+        header = json.loads(bytes(data[8:8 + n]))
+    except ValueError as e:
+        raise ValueError(f"not a readable safetensors file (header: {e})") from None
+    return header.get("__metadata__") or {}
 
 
 def sha256(data: bytes) -> str:

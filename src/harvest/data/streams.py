@@ -1,0 +1,466 @@
+"""Split a source into N disjoint streams (`harvest streams create`), and read streams back.
+
+Layout written under OUT:
+    stream_00000.jsonl ... stream_{N-1}.jsonl   the records, one JSON line each
+    streams.json                               written last: the commit marker (see below)
+
+Mapping `round_robin`: source record i (its global `sample_id`) is line i // N of stream i % N, so
+`sample_id = index * N + stream`. Each stream line is
+- for a `.jsonl` source: the source line verbatim (a malformed or non-object line too: the extraction
+  then skips it with the same reason and the original location as reading the source directly would);
+- for `.json`/`.parquet`/`.txt`/hub sources: `json.dumps(record)` (`{"text": line}` for text);
+- for a line the source could not even decode (bad UTF-8) or a row with values JSON cannot hold:
+  `{"__harvest_error__": REASON, "__harvest_location__": ORIGINAL_LOCATION}`, read back as an error record.
+
+streams.json: {"format_version": 1, "source": SRC, "files": describe(SRC) with a "records" count per file,
+"num_streams": N, "mapping": "round_robin", "counts": [...], "total": T, "sha256": [per stream file],
+"index_every": K, "line_offsets": [[byte offset of line 0, K, 2K, ...] per stream], "created_at": ISO}.
+Per-file record counts let a stream name each record's ORIGINAL location (`data/a.jsonl:17`); the line
+offsets let a resumed worker seek straight to its cursor instead of reading the stream from the top.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import decimal
+import hashlib
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from harvest.data import sources
+from harvest.data.sources import Record
+from harvest.errors import UserError
+
+STREAMS_FILE = "streams.json"
+FORMAT_VERSION = 1
+INDEX_EVERY = 4096
+ERROR_KEY = "__harvest_error__"
+LOCATION_KEY = "__harvest_location__"
+_STREAM_RE = re.compile(r"stream_(\d{5,})\.jsonl$")
+
+
+def stream_name(stream: int) -> str:
+    return f"stream_{stream:05d}.jsonl"
+
+
+# --- storage: the few calls to become harvest.store.fs.Storage -----------------------------------------
+
+def _join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def _fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _open_write(url: str):
+    """A binary file object writing `url` (local path or fsspec URL); the object lands on close."""
+    import fsspec
+
+    return fsspec.open(url, "wb").open()
+
+
+def _write_bytes(url: str, data: bytes) -> None:
+    if "://" not in url:  # local: atomic via rename
+        tmp = f"{url}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, url)
+        return
+    with _open_write(url) as f:
+        f.write(data)
+
+
+def _read_bytes(url: str) -> bytes | None:
+    fs, path = _fs(url)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def _exists(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.exists(path)
+
+
+def _prepare_dir(url: str) -> list[str]:
+    """Create the output directory if local; the names of the stream files already in it."""
+    fs, path = _fs(url)
+    if "://" not in url or url.startswith("file://"):
+        fs.makedirs(path, exist_ok=True)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return []
+    return [n for n in names if _STREAM_RE.match(n)]
+
+
+def _remove(url: str) -> None:
+    fs, path = _fs(url)
+    fs.rm_file(path)
+
+
+# --- writing -----------------------------------------------------------------------------------------------
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return value.decode("utf-8")  # UnicodeDecodeError: carried as an error line
+    if hasattr(value, "tolist"):  # numpy scalars / arrays
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
+
+
+def _carry(kind: str, data: Any, where) -> bytes:
+    """The stream line (without newline) for one source item; `where()` gives its location if needed."""
+    if kind == "line":
+        return data.encode("utf-8")
+    if kind == "value":
+        try:
+            text = json.dumps(data, ensure_ascii=False, default=_json_default)
+            try:
+                return text.encode("utf-8")
+            except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes: keep them escaped
+                return json.dumps(data, default=_json_default).encode("ascii")
+        except (TypeError, ValueError, UnicodeDecodeError) as e:
+            data = f"value not JSON-serializable: {e}"
+    return json.dumps({ERROR_KEY: data, LOCATION_KEY: where()}, ensure_ascii=False).encode("utf-8")
+
+
+class _StreamWriter:
+    """Buffered, hashed, line-indexed writer of one stream file."""
+
+    def __init__(self, url: str, buffer_bytes: int):
+        self.url, self.buffer_bytes = url, buffer_bytes
+        self.file = _open_write(url)
+        self.sha = hashlib.sha256()
+        self.buffer: list[bytes] = []
+        self.buffered = self.written = self.count = 0
+        self.offsets: list[int] = []
+
+    def write(self, line: bytes) -> None:
+        if self.count % INDEX_EVERY == 0:
+            self.offsets.append(self.written + self.buffered)
+        self.buffer.append(line + b"\n")
+        self.buffered += len(line) + 1
+        self.count += 1
+        if self.buffered >= self.buffer_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buffer:
+            data = b"".join(self.buffer)
+            self.file.write(data)
+            self.sha.update(data)
+            self.written += len(data)
+            self.buffer, self.buffered = [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+
+def _raise_fd_limit(needed: int) -> None:
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(needed, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = False,
+                   buffer_bytes: int | None = None) -> StreamSet:
+    """Read `data` once and write it as `num_streams` round-robin streams + streams.json under `out`.
+
+    Refuses to replace an existing streams.json unless `overwrite`. Stream files are written
+    incrementally (memory about min(1 MiB, 256 MiB / N) per stream plus the filesystem's own write
+    buffer); streams.json goes last, so a crash leaves no half-made stream set that looks complete.
+    """
+    if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
+        raise UserError(f"--num-streams: must be a positive integer, got {num_streams!r}")
+    files = sources.resolve(data)
+    described = sources.describe(data, files)
+    meta_url = _join(out, STREAMS_FILE)
+    if _exists(meta_url):
+        if not overwrite:
+            raise UserError(f"{out}: already holds {STREAMS_FILE}; pass --overwrite to replace it")
+        _remove(meta_url)  # first, so an interrupted rewrite is never mistaken for a complete one
+    stale = [n for n in _prepare_dir(out) if int(_STREAM_RE.match(n).group(1)) >= num_streams]
+    for name in stale:
+        _remove(_join(out, name))
+
+    n = num_streams
+    if "://" not in out:
+        _raise_fd_limit(n + 64)
+    buffer_bytes = buffer_bytes or max(64 << 10, min(1 << 20, (256 << 20) // n))
+    writers = [_StreamWriter(_join(out, stream_name(s)), buffer_bytes) for s in range(n)]
+    per_file = [0] * len(files)
+    try:
+        for sample_id, k, i, kind, value in sources.iter_items(files, 0, per_file):
+            f = files[k]
+            writers[sample_id % n].write(_carry(kind, value, lambda: sources.location(f.path, f.format, i)))
+    finally:
+        for w in writers:
+            w.close()
+
+    for entry, count in zip(described["files"], per_file):
+        entry["records"] = count
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": data,
+        "files": described,
+        "num_streams": n,
+        "mapping": "round_robin",
+        "counts": [w.count for w in writers],
+        "total": sum(w.count for w in writers),
+        "sha256": [w.sha.hexdigest() for w in writers],
+        "index_every": INDEX_EVERY,
+        "line_offsets": [w.offsets for w in writers],
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    text = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in meta.items()) + "\n}\n"
+    _write_bytes(meta_url, text.encode())
+    return StreamSet.open(out)
+
+
+# --- reading -----------------------------------------------------------------------------------------------
+
+class DataStreams(Protocol):
+    """What the extraction job reads: a stream set, or a plain source seen as one stream."""
+
+    num_streams: int
+    counts: list[int | None]
+    total: int | None
+
+    def sample_id(self, stream: int, index: int) -> int: ...
+
+    def records(self, stream: int, start: int = 0) -> Iterator[Record]: ...
+
+    def info(self) -> dict: ...
+
+
+def _stream_line(raw: bytes, sample_id: int, where: str) -> Record:
+    text, reason = sources._decode(raw, False)
+    if reason is not None:
+        return Record(sample_id, where, None, reason)
+    value, error = sources.parse_line(text)
+    if value is not None and ERROR_KEY in value:
+        return Record(sample_id, str(value.get(LOCATION_KEY) or where), None, str(value[ERROR_KEY]))
+    return Record(sample_id, where, value, error)
+
+
+class StreamSet:
+    """A directory holding streams.json and its stream files (see the module doc)."""
+
+    def __init__(self, url: str, meta: dict):
+        self.url = url
+        self.meta = meta
+        self.num_streams: int = meta["num_streams"]
+        self.counts: list[int] = list(meta["counts"])
+        self.total: int = meta["total"]
+        self.source: str = meta.get("source", "")
+        self.sha256: list[str] = list(meta["sha256"])
+        self._files, self._starts = self._file_table(meta)
+
+    @classmethod
+    def open(cls, url: str) -> StreamSet:
+        url = url.rstrip("/") or url
+        if url.endswith("/" + STREAMS_FILE) or url == STREAMS_FILE:
+            url = url[: -len(STREAMS_FILE)].rstrip("/") or "."
+        raw = _read_bytes(_join(url, STREAMS_FILE))
+        if raw is None:
+            raise UserError(f"{url}: no {STREAMS_FILE} here; create streams with "
+                            f"`harvest streams create --data SRC --num-streams N --out {url}`")
+        where = _join(url, STREAMS_FILE)
+        try:
+            meta = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{where}: not valid JSON ({e}); recreate it with `harvest streams create`") from None
+        problem = _validate(meta)
+        if problem:
+            raise UserError(f"{where}: {problem}; recreate it with `harvest streams create --overwrite`")
+        return cls(url, meta)
+
+    @staticmethod
+    def _file_table(meta: dict) -> tuple[list[dict], list[int]]:
+        files = meta.get("files")
+        files = files.get("files") if isinstance(files, dict) else None
+        try:
+            counts = [int(f["records"]) for f in files]
+            if sum(counts) != meta["total"] or not all(isinstance(f["path"], str) for f in files):
+                return [], []
+        except (TypeError, KeyError, ValueError):
+            return [], []
+        return files, list(itertools.accumulate([0] + counts[:-1]))
+
+    def stream_url(self, stream: int) -> str:
+        return _join(self.url, stream_name(stream))
+
+    def sample_id(self, stream: int, index: int) -> int:
+        return index * self.num_streams + stream
+
+    def position(self, sample_id: int) -> tuple[int, int]:
+        """(stream, index) of a global sample id."""
+        return sample_id % self.num_streams, sample_id // self.num_streams
+
+    def location(self, sample_id: int) -> str | None:
+        """The original source location of a sample, when streams.json lists the source files."""
+        if not self._files or not 0 <= sample_id < self.total:
+            return None
+        k = bisect.bisect_right(self._starts, sample_id) - 1
+        # (an empty file shares its start with the next file; bisect_right picks the later one)
+        f = self._files[k]
+        return sources.location(f["path"], f.get("format", ""), sample_id - self._starts[k])
+
+    def _check_stream(self, stream: int) -> None:
+        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < self.num_streams:
+            raise UserError(f"stream {stream!r} out of range: {self.url} has {self.num_streams} streams "
+                            f"(0-{self.num_streams - 1})")
+
+    def records(self, stream: int, start: int = 0) -> Iterator[Record]:
+        """The stream's records from its index `start` on; ids global, locations from the source."""
+        self._check_stream(stream)
+        count = self.counts[stream]
+        if not 0 <= start <= count:
+            raise ValueError(f"start {start} outside stream {stream} of {count} records")
+        return self._records(stream, start, count)
+
+    def _records(self, stream: int, start: int, count: int) -> Iterator[Record]:
+        if start == count:
+            return
+        url = self.stream_url(stream)
+        offsets = (self.meta.get("line_offsets") or [None] * self.num_streams)[stream]
+        every = self.meta.get("index_every") or 0
+        with sources._open_read(url) as fh:
+            line = 0
+            if offsets and every and start >= every:
+                j = min(start // every, len(offsets) - 1)
+                fh.seek(offsets[j])
+                line = j * every
+            line += sum(1 for _ in itertools.islice(fh, start - line))
+            if line != start:
+                raise UserError(f"{url}: has {line} lines, {STREAMS_FILE} says {count}; the stream set is damaged")
+            for index in range(start, count):
+                raw = fh.readline()
+                if not raw:
+                    raise UserError(f"{url}: has {index} lines, {STREAMS_FILE} says {count}; "
+                                    "the stream set is damaged")
+                sample_id = index * self.num_streams + stream
+                where = self.location(sample_id) or f"{url}:{index + 1}"
+                yield _stream_line(raw, sample_id, where)
+
+    def verify(self) -> list[str]:
+        """Problems found re-reading every stream file (line count, sha256); empty when all is well."""
+        problems = []
+        for s in range(self.num_streams):
+            url, sha, lines = self.stream_url(s), hashlib.sha256(), 0
+            try:
+                with sources._open_read(url) as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        sha.update(chunk)
+                        lines += chunk.count(b"\n")
+            except UserError as e:
+                problems.append(str(e))
+                continue
+            if lines != self.counts[s]:
+                problems.append(f"{url}: {lines} lines, {STREAMS_FILE} says {self.counts[s]}")
+            if sha.hexdigest() != self.sha256[s]:
+                problems.append(f"{url}: sha256 {sha.hexdigest()} differs from {STREAMS_FILE}")
+        return problems
+
+    def info(self) -> dict:
+        """What a run records about its data (run.json)."""
+        return {"kind": "streams", "url": self.url, "source": self.source, "num_streams": self.num_streams,
+                "total": self.total, "mapping": "round_robin", "sha256": self.sha256,
+                "created_at": self.meta.get("created_at")}
+
+
+def _validate(meta: Any) -> str | None:
+    """Why a streams.json is unusable, or None."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"format_version {meta.get('format_version')!r} is not {FORMAT_VERSION}, the one this harvest reads"
+    n = meta.get("num_streams")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        return f"num_streams {n!r} is not a positive integer"
+    if meta.get("mapping") != "round_robin":
+        return f"mapping {meta.get('mapping')!r} is not 'round_robin'"
+    total, counts, sha = meta.get("total"), meta.get("counts"), meta.get("sha256")
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        return f"total {total!r} is not a count"
+    if not isinstance(counts, list) or len(counts) != n:
+        return f"counts must list {n} stream sizes"
+    expected = [len(range(s, total, n)) for s in range(n)]
+    if counts != expected:
+        return f"counts {counts[:8]}{'...' if n > 8 else ''} do not split {total} records round robin"
+    if not isinstance(sha, list) or len(sha) != n or not all(
+            isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in sha):
+        return f"sha256 must list {n} hex digests"
+    offsets = meta.get("line_offsets")
+    if offsets is not None and not (isinstance(offsets, list) and len(offsets) == n and all(
+            isinstance(o, list) and all(isinstance(x, int) and x >= 0 for x in o) for o in offsets)):
+        return f"line_offsets must list {n} lists of byte offsets"
+    every = meta.get("index_every")
+    if offsets is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        return f"index_every {every!r} is not a positive integer"
+    return None
+
+
+class SourceStreams:
+    """A plain source seen as one stream (stream 0) of unknown length; sample_id = record index."""
+
+    num_streams = 1
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.files = sources.resolve(spec)  # a bad spec fails here, before any work starts
+        self.counts: list[int | None] = [None]
+        self.total: int | None = None
+
+    def sample_id(self, stream: int, index: int) -> int:
+        self._check_stream(stream)
+        return index
+
+    def _check_stream(self, stream: int) -> None:
+        if stream != 0:
+            raise UserError(f"stream {stream!r} out of range: {self.spec} is a plain source, one stream (0); "
+                            "split it with `harvest streams create` to use more")
+
+    def records(self, stream: int, start: int = 0) -> Iterator[Record]:
+        self._check_stream(stream)
+        files = self.files
+        return (sources.to_record(sid, sources.location(files[k].path, files[k].format, i), kind, data)
+                for sid, k, i, kind, data in sources.iter_items(files, start))
+
+    def info(self) -> dict:
+        return {"kind": "source", **sources.describe(self.spec, self.files)}
+
+
+def open_data(spec: str) -> StreamSet | SourceStreams:
+    """A stream set (a directory or URL holding streams.json) or a plain source as a single stream."""
+    if not isinstance(spec, str) or not spec:
+        raise UserError("--data: give a file, glob, URL, hf://NAME[:CONFIG]:SPLIT or a streams directory")
+    if spec.rstrip("/").endswith(STREAMS_FILE):
+        return StreamSet.open(spec)
+    if not sources._has_magic(spec) and sources._hub_spec(spec) is None:
+        try:
+            if _exists(_join(spec, STREAMS_FILE)):
+                return StreamSet.open(spec)
+        except (ImportError, ValueError) as e:
+            raise UserError(f"{spec}: cannot open this URL ({e})") from None
+    return SourceStreams(spec)

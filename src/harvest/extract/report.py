@@ -1,0 +1,138 @@
+"""What a running extraction shows: a live progress bar (or log lines off a terminal), progress.json
+per stream for `harvest status`, and the end-of-run summary of what was skipped, truncated or chunked."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Any
+
+from harvest.data.batching import Piece, Row
+from harvest.store import format as fmt
+from harvest.store.fs import Storage
+from harvest.store.writer import ResumePoint
+
+log = logging.getLogger("harvest")
+LOG_EVERY_S = 10.0
+
+
+class Progress:
+    """Counts rows as the host finishes them (live view) and shards as they commit (progress.json)."""
+
+    def __init__(self, out: Storage, totals: dict[int, int | None], resume: dict[int, ResumePoint], worker: str):
+        self.out = out
+        self.totals = totals
+        self.worker = worker
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self.records = {s: resume[s].next[0] for s in totals}
+        self.samples = {s: resume[s].samples for s in totals}
+        self.tokens = {s: resume[s].tokens for s in totals}
+        self.session_tokens = 0  # computed in this process, for the rate
+        self.padding = [0, 0]  # [real tokens, row slots] of rows this session
+        self.long: Counter = Counter()
+        self.skipped: list[dict[str, Any]] = []
+        self.shards = 0
+
+    def rows_done(self, stream: int, row: Row) -> None:
+        pieces = [e for e, _ in row.events if isinstance(e, Piece)]
+        with self._lock:
+            if row.events:
+                self.records[stream] = max(self.records[stream], row.events[-1][0].pos[0] + 1)
+            self.session_tokens += row.used
+            self.padding[0] += row.used
+            self.padding[1] += len(row.tokens)
+            self.samples[stream] += len(pieces)
+
+    def committed(self, manifest: dict[str, Any]) -> None:
+        stream = manifest["stream"]
+        with self._lock:
+            self.shards += 1
+            self.long.update(manifest["long"])
+            self.skipped.extend(manifest["skipped"])
+            rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
+        record = {
+            "stream": stream, "records_done": manifest["records"] if manifest["final"] else manifest["next"][0],
+            "total": self.totals.get(stream) if not manifest["final"] else manifest["records"],
+            "shards": manifest["shard"] + 1, "tokens_per_s": round(rate, 1), "worker": self.worker,
+            "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "done": manifest["final"],
+        }
+        self.out.write_json(f"{fmt.stream_dir(stream)}/progress.json", record)
+
+    def line(self) -> str:
+        with self._lock:
+            done = sum(self.records.values())
+            known = all(t is not None for t in self.totals.values())
+            total = sum(t for t in self.totals.values() if t is not None)
+            rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
+        of = f"/{total}" if known else ""
+        return f"records {done}{of}, samples {sum(self.samples.values())}, {rate:,.0f} tokens/s, shards {self.shards}"
+
+    @contextlib.contextmanager
+    def display(self):
+        """A rich progress bar on a terminal; plain log lines every LOG_EVERY_S otherwise."""
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
+
+            known = all(t is not None for t in self.totals.values())
+            total = sum(t for t in self.totals.values() if t is not None) if known else None
+            with Bar(TextColumn("extract"), BarColumn(), TextColumn("{task.description}"),
+                     TimeRemainingColumn(), transient=False) as bar:
+                task = bar.add_task(self.line(), total=total, completed=sum(self.records.values()))
+                stop = threading.Event()
+
+                def refresh():
+                    while not stop.wait(0.5):
+                        bar.update(task, completed=sum(self.records.values()), description=self.line())
+
+                thread = threading.Thread(target=refresh, daemon=True)
+                thread.start()
+                try:
+                    yield
+                finally:
+                    stop.set()
+                    thread.join()
+                    bar.update(task, completed=sum(self.records.values()), description=self.line())
+        else:
+            stop = threading.Event()
+
+            def report():
+                while not stop.wait(LOG_EVERY_S):
+                    log.info(self.line())
+
+            thread = threading.Thread(target=report, daemon=True)
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join()
+
+
+def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Progress) -> dict[str, Any]:
+    """The end-of-run account: nothing truncated, skipped or chunked goes unsaid."""
+    reasons = Counter(s["reason"].split(" (")[0] for s in progress.skipped)
+    real, slots = progress.padding
+    return {
+        "out": out.url,
+        "streams": len(chosen),
+        "records": sum(progress.records.values()),
+        "samples": sum(progress.samples.values()),
+        "tokens": sum(progress.tokens.values()) + progress.session_tokens,
+        "tokens_this_run": progress.session_tokens,
+        "seconds": round(elapsed, 2),
+        "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
+        "padding": round(1 - real / slots, 4) if slots else 0.0,
+        "shards_written": progress.shards,
+        "truncated": progress.long["truncated"],
+        "chunked": progress.long["chunked"],
+        "skipped_long": progress.long["skipped"],
+        "skipped": len(progress.skipped),
+        "skip_reasons": dict(reasons.most_common(8)),
+        "skip_examples": [f"{s['location']}: {s['reason']}" for s in progress.skipped[:5]],
+    }

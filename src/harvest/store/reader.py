@@ -1,0 +1,420 @@
+"""Read a run back: run.json, committed shards, per-sample access, merged stats, shuffled token batches.
+
+```python
+run = harvest.open("gs://bucket/run")            # reads run.json and every sidecar, nothing else
+run.tensors                                       # {"resid_post.20": 3584, ...}
+s = run.sample(1234, variant=0)                   # Sample(sample_id, variant, tokens, activations)
+run.stats("resid_post.20").mean                   # exact merge of the shards' fp64 running stats
+for batch in run.token_batches(4096, ["resid_post.20"], seed=epoch):   # SAE training rows
+    ...
+```
+Only committed shards exist: a shard is read when its sidecar (`shard_NNNNNN.json`) is there, whatever
+else lies in the stream directory. All I/O goes through `Storage`; shards are decoded with safetensors
+from bytes (no pickle, nothing eval'd).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from harvest.errors import UserError
+from harvest.store import format as fmt
+from harvest.store.fs import Storage
+
+STREAM_DIR = re.compile(r"^stream_(\d{5})$")
+SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
+SHARD_FILE = re.compile(r"^shard_(\d{6})\.safetensors$")
+SHARD_ARRAYS = ("tokens", "offsets", "sample_ids", "variants")  # the non-activation tensors of a shard
+_IO_THREADS = 16
+
+def dtype_name(arr: np.ndarray) -> str:
+    """The run.json name of an array's dtype ("bfloat16", "float16", "float32"), else numpy's name."""
+    for name, dtype in fmt.DTYPES.items():
+        if arr.dtype == np.dtype(dtype):
+            return name
+    return arr.dtype.name
+
+
+def position(p: Sequence[int]) -> tuple[int, int]:
+    return int(p[0]), int(p[1])
+
+
+def covered_streams(info: dict[str, Any]) -> list[int]:
+    """The streams a run covers, from run.json's data section (`streams` if listed, else all num_streams)."""
+    data = info.get("data") or {}
+    if data.get("streams") is not None:
+        return sorted(int(s) for s in data["streams"])
+    return list(range(int(data.get("num_streams") or 1)))
+
+
+def stream_count(info: dict[str, Any], stream: int) -> int | None:
+    """Records in a stream per run.json (None when the source's length is unknown)."""
+    counts = (info.get("data") or {}).get("counts")
+    if counts is None:
+        return None
+    if isinstance(counts, dict):
+        value = counts.get(str(stream), counts.get(stream))
+        return None if value is None else int(value)
+    return int(counts[stream]) if stream < len(counts) else None
+
+
+def list_sidecars(storage: Storage, stream: int) -> list[str]:
+    """Sidecar file names of a stream, in shard order."""
+    return [n for n in storage.listdir(fmt.stream_dir(stream)) if SIDECAR.match(n)]
+
+
+def list_stream_dirs(storage: Storage) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(STREAM_DIR.match, storage.listdir("")) if m)
+
+
+def read_run_info(storage: Storage) -> dict[str, Any]:
+    if not storage.exists("run.json"):
+        raise UserError(f"{storage.url}: no run.json here, so not a harvest run; check the URL "
+                        f"(a run writes run.json before its first shard)")
+    try:
+        info = storage.read_json("run.json")
+    except (ValueError, UserError) as e:  # StorageError names the file already
+        raise UserError(f"{e}; the run's metadata is damaged") from None
+    if not isinstance(info, dict) or not isinstance(info.get("tensors"), dict):
+        raise UserError(f"{storage.url}/run.json: no `tensors` mapping; not a harvest run.json")
+    if int(info.get("format_version", 0)) > fmt.FORMAT_VERSION:
+        raise UserError(f"{storage.url}/run.json: format_version {info['format_version']} is newer than this "
+                        f"harvest reads ({fmt.FORMAT_VERSION}); upgrade harvest")
+    return info
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sample (a record, or one variant of it): its tokens and every captured tensor, [n_tokens, d]."""
+
+    sample_id: int
+    variant: int
+    tokens: np.ndarray
+    activations: dict[str, np.ndarray]
+    stream: int = -1
+    shard: int = -1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Run:
+    """A run as its committed shards describe it. Built by `open_run`; `refresh()` re-reads the sidecars."""
+
+    def __init__(self, storage: Storage, info: dict[str, Any], sidecars: list[dict[str, Any]]):
+        self.storage = storage
+        self.info = info
+        self._set_shards(sidecars)
+        self._cache: collections.OrderedDict[tuple[int, int], dict[str, np.ndarray]] = collections.OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._full_index: dict[tuple[int, int], tuple[int, int]] | None = None
+
+    def _set_shards(self, sidecars: list[dict[str, Any]]) -> None:
+        self._shards = sorted(sidecars, key=lambda sc: (int(sc["stream"]), int(sc["shard"])))
+        self._by_stream: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+        for sc in self._shards:
+            self._by_stream[int(sc["stream"])].append(sc)
+        self._starts = {s: [position(sc["start"]) for sc in scs] for s, scs in self._by_stream.items()}
+        self._full_index = None
+
+    def refresh(self) -> Run:
+        """Pick up shards committed since open (a run still being written)."""
+        self._set_shards(_read_sidecars(self.storage, self.info))
+        return self
+
+    # what the run holds ---------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.storage.url
+
+    @property
+    def tensors(self) -> dict[str, int]:
+        return {name: int(width) for name, width in self.info["tensors"].items()}
+
+    @property
+    def dtype(self) -> str:
+        return self.info.get("dtype", "bfloat16")
+
+    @property
+    def num_streams(self) -> int:
+        return int((self.info.get("data") or {}).get("num_streams") or 1)
+
+    @property
+    def streams(self) -> list[int]:
+        """Streams with at least one committed shard."""
+        return sorted(self._by_stream)
+
+    @property
+    def shards(self) -> list[dict[str, Any]]:
+        """Sidecars of the committed shards, by (stream, shard)."""
+        return list(self._shards)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(int(sc["samples"]) for sc in self._shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(sc["tokens"]) for sc in self._shards)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(int(sc["bytes"]) for sc in self._shards)
+
+    def done(self, stream: int) -> bool:
+        scs = self._by_stream.get(stream)
+        return bool(scs) and bool(scs[-1].get("final"))
+
+    def __repr__(self) -> str:
+        return (f"Run({self.url!r}: {len(self.tensors)} tensors, {len(self.streams)} streams, "
+                f"{len(self._shards)} shards, {self.num_samples} samples, {self.num_tokens} tokens)")
+
+    # shards -----------------------------------------------------------------------------------------
+    def shard_path(self, sidecar: dict[str, Any]) -> str:
+        name = sidecar.get("file") or fmt.shard_stem(int(sidecar["shard"])) + ".safetensors"
+        return f"{fmt.stream_dir(int(sidecar['stream']))}/{name}"
+
+    def read_shard(self, sidecar: dict[str, Any]) -> dict[str, np.ndarray]:
+        """All tensors of one committed shard (read and decoded, not cached)."""
+        rel = self.shard_path(sidecar)
+        data = self.storage.read_bytes(rel)
+        try:
+            return fmt.decode_shard(data)
+        except ValueError as e:
+            raise UserError(f"{self.url}/{rel}: {e}; run `harvest verify {self.url}`") from None
+
+    def _cached_shard(self, sidecar: dict[str, Any]) -> dict[str, np.ndarray]:
+        key = (int(sidecar["stream"]), int(sidecar["shard"]))
+        with self._cache_lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        tensors = self.read_shard(sidecar)
+        with self._cache_lock:
+            self._cache[key] = tensors
+            while len(self._cache) > 2:
+                self._cache.popitem(last=False)
+        return tensors
+
+    # samples ----------------------------------------------------------------------------------------
+    def _locate(self, sample_id: int, variant: int) -> dict[str, Any] | None:
+        """The sidecar whose [start, next) holds the piece, by the round-robin mapping (no shard read)."""
+        n = self.num_streams
+        stream, index = sample_id % n, sample_id // n
+        starts = self._starts.get(stream)
+        if not starts:
+            return None
+        k = bisect.bisect_right(starts, (index, variant)) - 1
+        if k < 0:
+            return None
+        sc = self._by_stream[stream][k]
+        return sc if (index, variant) < position(sc["next"]) else None
+
+    def _scan_index(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(sample_id, variant) -> (position in self._shards, row), reading every shard: for unknown mappings."""
+        if self._full_index is None:
+            index = {}
+            for k, sc in enumerate(self._shards):
+                t = self.read_shard(sc)
+                for row, key in enumerate(zip(t["sample_ids"].tolist(), t["variants"].tolist())):
+                    index[key] = (k, row)
+            self._full_index = index
+        return self._full_index
+
+    def sample(self, sample_id: int, variant: int = 0) -> Sample:
+        """One sample by its global id (its row in the source) and variant. KeyError if the run lacks it."""
+        sample_id, variant = int(sample_id), int(variant)
+        if (self.info.get("data") or {}).get("mapping", "round_robin") == "round_robin":
+            sc = self._locate(sample_id, variant)
+            if sc is not None:
+                t = self._cached_shard(sc)
+                hits = np.flatnonzero((t["sample_ids"] == sample_id) & (t["variants"] == variant))
+                if len(hits):
+                    return self._sample_at(sc, t, int(hits[0]))
+        else:
+            found = self._scan_index().get((sample_id, variant))
+            if found is not None:
+                sc = self._shards[found[0]]
+                return self._sample_at(sc, self._cached_shard(sc), found[1])
+            sc = None
+        skipped = (sc.get("skipped") or []) if sc is not None else self._skipped_entries(sample_id)
+        for entry in skipped:
+            if int(entry.get("sample_id", -1)) == sample_id and int(entry.get("variant", variant)) == variant:
+                raise KeyError(f"sample {sample_id} (variant {variant}) was skipped by the run: "
+                               f"{entry.get('reason', 'no reason given')}"
+                               + (f" ({entry['location']})" if entry.get("location") else ""))
+        stream = sample_id % self.num_streams
+        done = self._by_stream.get(stream)
+        where = (f"stream {stream} is committed through position {done[-1]['next']}" if done
+                 else f"stream {stream} has no committed shard")
+        raise KeyError(f"sample {sample_id} variant {variant} is not in run {self.url} ({where})")
+
+    def _skipped_entries(self, sample_id: int) -> list[dict[str, Any]]:
+        return [e for sc in self._shards for e in sc.get("skipped") or [] if int(e.get("sample_id", -1)) == sample_id]
+
+    def _sample_at(self, sc: dict[str, Any], t: dict[str, np.ndarray], row: int) -> Sample:
+        lo, hi = int(t["offsets"][row]), int(t["offsets"][row + 1])
+        return Sample(
+            sample_id=int(t["sample_ids"][row]), variant=int(t["variants"][row]), tokens=t["tokens"][lo:hi],
+            activations={name: t[name][lo:hi] for name in self.tensors}, stream=int(sc["stream"]),
+            shard=int(sc["shard"]))
+
+    def iter_samples(self, streams: Sequence[int] | None = None) -> Iterator[Sample]:
+        """Every committed sample, in (stream, position) order; arrays are views into the shard."""
+        wanted = None if streams is None else {int(s) for s in streams}
+        for sc in self._shards:
+            if int(sc["samples"]) == 0 or (wanted is not None and int(sc["stream"]) not in wanted):
+                continue
+            yield from self.shard_samples(sc)
+
+    def shard_samples(self, sidecar: dict[str, Any]) -> Iterator[Sample]:
+        """The samples of one committed shard, in order (one read of the shard)."""
+        t = self.read_shard(sidecar)
+        for row in range(len(t["sample_ids"])):
+            yield self._sample_at(sidecar, t, row)
+
+    # stats ------------------------------------------------------------------------------------------
+    def stats(self, name: str) -> fmt.RunningStats:
+        """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
+        self._check_names([name])
+        width = self.tensors[name]
+        parts = []
+        for sc in self._shards:
+            entry = (sc.get("stats") or {}).get(name)
+            if entry is None:
+                if int(sc["tokens"]) == 0:
+                    continue
+                raise UserError(f"{self.url}/{fmt.stream_dir(int(sc['stream']))}/{fmt.shard_stem(int(sc['shard']))}"
+                                f".json: no stats for {name}; run `harvest verify {self.url}`")
+            parts.append(fmt.RunningStats.from_json(entry))
+        if not parts:
+            return fmt.RunningStats(0, np.zeros(width), np.zeros(width))
+        while len(parts) > 1:  # pairwise: rounding grows with log(shards), not shards
+            parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    def _check_names(self, names: Sequence[str]) -> list[str]:
+        unknown = [n for n in names if n not in self.info["tensors"]]
+        if unknown:
+            raise KeyError(f"{', '.join(map(repr, unknown))} not in run {self.url}; it holds "
+                           f"{', '.join(self.info['tensors'])}")
+        return list(names)
+
+    # SAE training batches -----------------------------------------------------------------------------
+    def token_batches(
+        self,
+        batch_size: int,
+        tensors: Sequence[str] | str | None = None,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        shard_buffer: int = 4,
+        as_torch: bool = False,
+        drop_last: bool = False,
+        streams: Sequence[int] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """One epoch of token rows: {name: [batch, d], "tokens": [batch]}, numpy (or torch with as_torch).
+
+        With shuffle, the shard order is permuted with `seed`, then rows are permuted within each group of
+        `shard_buffer` consecutive shards (plus the rows left over from the previous group), so memory holds
+        about 2 x shard_buffer shards (the next group is read ahead in threads). The same seed gives the same
+        batches; use seed=epoch for a new order per epoch. Every committed token appears exactly once.
+        The last batch is short unless drop_last.
+        """
+        if int(batch_size) <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if int(shard_buffer) <= 0:
+            raise ValueError(f"shard_buffer must be positive, got {shard_buffer}")
+        names = self._check_names([tensors] if isinstance(tensors, str) else list(tensors or self.tensors))
+        convert = _torch_converter() if as_torch else (lambda a: a)
+        wanted = None if streams is None else {int(s) for s in streams}
+        shards = [sc for sc in self._shards if int(sc["tokens"]) > 0
+                  and (wanted is None or int(sc["stream"]) in wanted)]
+        rng = np.random.default_rng(seed)
+        if shuffle:
+            shards = [shards[i] for i in rng.permutation(len(shards))]
+        groups = [shards[i:i + shard_buffer] for i in range(0, len(shards), shard_buffer)]
+        return self._batches(groups, names, int(batch_size), rng if shuffle else None, convert, drop_last)
+
+    def _rows(self, sidecar: dict[str, Any], names: list[str]) -> dict[str, np.ndarray]:
+        t = self.read_shard(sidecar)
+        return {"tokens": t["tokens"], **{n: t[n] for n in names}}
+
+    def _batches(self, groups, names, batch_size, rng, convert, drop_last) -> Iterator[dict[str, Any]]:
+        keys = ["tokens", *names]
+        pool = ThreadPoolExecutor(max_workers=max(len(g) for g in groups)) if groups else None
+        pending = [pool.submit(self._rows, sc, names) for sc in groups[0]] if groups else []
+        carry: dict[str, np.ndarray] | None = None
+        try:
+            for g in range(len(groups)):
+                parts = [f.result() for f in pending]
+                pending = [pool.submit(self._rows, sc, names) for sc in groups[g + 1]] if g + 1 < len(groups) else []
+                if carry is not None:
+                    parts.insert(0, carry)
+                cols = {k: np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in keys}
+                del parts
+                n = len(cols["tokens"])
+                if rng is not None:
+                    perm = rng.permutation(n)
+                    cols = {k: v[perm] for k, v in cols.items()}
+                full = n - n % batch_size
+                for lo in range(0, full, batch_size):
+                    yield {k: convert(cols[k][lo:lo + batch_size]) for k in keys}
+                carry = {k: v[full:] for k, v in cols.items()} if full < n else None
+            if carry is not None and not drop_last:
+                yield {k: convert(carry[k]) for k in keys}
+        finally:
+            for f in pending:
+                f.cancel()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _torch_converter():
+    try:
+        import torch
+    except ImportError:
+        raise UserError("token_batches(as_torch=True) needs torch: pip install torch") from None
+
+    def convert(arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    return convert
+
+
+def _read_sidecars(storage: Storage, info: dict[str, Any]) -> list[dict[str, Any]]:
+    paths = [f"{fmt.stream_dir(s)}/{name}" for s in list_stream_dirs(storage) for name in list_sidecars(storage, s)]
+
+    def read(rel: str) -> dict[str, Any]:
+        try:
+            sc = storage.read_json(rel)
+        except (ValueError, UserError) as e:  # StorageError names the file already
+            raise UserError(f"{e}; run `harvest verify {storage.url}`") from None
+        if not isinstance(sc, dict) or not {"stream", "shard", "start", "next", "samples", "tokens"} <= sc.keys():
+            raise UserError(f"{storage.url}/{rel}: not a shard sidecar; run `harvest verify {storage.url}`")
+        return sc
+
+    if len(paths) <= 1:
+        return [read(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(_IO_THREADS, len(paths))) as pool:
+        return list(pool.map(read, paths))
+
+
+def open_run(url: str | Storage) -> Run:
+    """Open a run for reading: run.json and every committed shard's sidecar (shard data is read on demand)."""
+    storage = url if isinstance(url, Storage) else Storage(str(url))
+    info = read_run_info(storage)
+    return Run(storage, info, _read_sidecars(storage, info))

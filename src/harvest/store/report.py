@@ -1,0 +1,285 @@
+"""`harvest status` and `harvest inspect`: what a run has done and what it holds, as rich renderables.
+
+Committed counts (records, samples, tokens, shards) come from the sidecars, the truth: a stream's run of
+shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.json, which is for show only.
+`watch` re-reads only new sidecars on each refresh.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from harvest.errors import UserError
+from harvest.store import format as fmt
+from harvest.store.fs import Storage
+from harvest.store.reader import (
+    covered_streams,
+    list_sidecars,
+    open_run,
+    read_run_info,
+    stream_count,
+)
+
+STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
+
+
+def _storage(url: str | Storage) -> Storage:
+    return url if isinstance(url, Storage) else Storage(str(url))
+
+
+def _age(updated_at: str | None, now: datetime) -> float | None:
+    if not updated_at:
+        return None
+    try:
+        then = datetime.fromisoformat(updated_at)
+    except ValueError:
+        return None
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=timezone.utc)
+    return max(0.0, (now - then).total_seconds())
+
+
+def _human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h ago"
+    return f"{seconds / 86400:.1f}d ago"
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1000
+    return str(n)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+class RunScanner:
+    """Reads a run's progress; keeps sidecars between scans (a committed sidecar does not change)."""
+
+    def __init__(self, url: str | Storage, threads: int = 16):
+        self.storage = _storage(url)
+        self.info = read_run_info(self.storage)
+        self.streams = covered_streams(self.info)
+        self.threads = threads
+        self._sidecars: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def _scan_stream(self, stream: int) -> dict[str, Any]:
+        sdir = fmt.stream_dir(stream)
+        names = list_sidecars(self.storage, stream)
+        committed: list[dict[str, Any]] = []
+        for expected, name in enumerate(names):  # the contiguous run from shard 0, as a resume sees it
+            k = int(name[len("shard_"):-len(".json")])
+            if k != expected:
+                break
+            if (stream, k) not in self._sidecars:
+                try:
+                    self._sidecars[(stream, k)] = self.storage.read_json(f"{sdir}/{name}")
+                except (ValueError, UserError):
+                    break
+            committed.append(self._sidecars[(stream, k)])
+        progress = None
+        try:
+            if self.storage.exists(f"{sdir}/progress.json"):
+                progress = self.storage.read_json(f"{sdir}/progress.json")
+        except (ValueError, UserError):
+            progress = None  # being rewritten; status is for show
+        return {"stream": stream, "committed": committed, "progress": progress if isinstance(progress, dict) else None}
+
+    def scan(self) -> list[dict[str, Any]]:
+        if len(self.streams) <= 1:
+            return [self._scan_stream(s) for s in self.streams]
+        with ThreadPoolExecutor(max_workers=min(self.threads, len(self.streams))) as pool:
+            return list(pool.map(self._scan_stream, self.streams))
+
+
+def _row(info: dict[str, Any], scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
+    s, committed, progress = scanned["stream"], scanned["committed"], scanned["progress"] or {}
+    done = bool(committed) and bool(committed[-1].get("final"))
+    records = int(committed[-1]["records"]) if committed else 0
+    total = stream_count(info, s)
+    if total is None:
+        total = records if done else progress.get("total")
+    age = _age(progress.get("updated_at"), now)
+    if done:
+        state = "done"
+    elif not committed and not progress:
+        state = "pending"
+    elif age is not None and age > STALE_S:
+        state = "stale"
+    else:
+        state = "running"
+    return {
+        "stream": s, "state": state, "records": records, "total": total,
+        "samples": sum(int(sc["samples"]) for sc in committed),
+        "tokens": sum(int(sc["tokens"]) for sc in committed),
+        "shards": len(committed), "bytes": sum(int(sc["bytes"]) for sc in committed),
+        "rate": float(progress.get("tokens_per_s") or 0.0) if state == "running" else 0.0,
+        "worker": progress.get("worker") or "-", "age": age,
+    }
+
+
+_STYLE = {"done": "green", "running": "cyan", "stale": "yellow", "pending": "dim"}
+
+
+def _records_cell(records: int, total: int | None) -> str:
+    if total:
+        return f"{human_count(records)}/{human_count(total)} ({records / total:.0%})"
+    return f"{human_count(records)}/?"
+
+
+def status_rows(url: str | Storage | RunScanner, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Per-stream status as plain dicts (stream, state, records, total, samples, tokens, shards, bytes,
+    rate, worker, age)."""
+    scanner = url if isinstance(url, RunScanner) else RunScanner(url)
+    now = now or datetime.now(timezone.utc)
+    return [_row(scanner.info, scanned, now) for scanned in scanner.scan()]
+
+
+def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None,
+                 now: datetime | None = None) -> Table:
+    """One row per stream the run covers, then a total row. With max_rows, streams not done come first
+    and the rest fold into one line."""
+    scanner = url if isinstance(url, RunScanner) else RunScanner(url)
+    rows = status_rows(scanner, now)
+    done = sum(r["state"] == "done" for r in rows)
+    table = Table(title=f"{scanner.storage.url}: {done}/{len(rows)} streams done", title_justify="left")
+    for name, justify in [("stream", "right"), ("state", "left"), ("records", "right"), ("samples", "right"),
+                          ("tokens", "right"), ("shards", "right"), ("tokens/s", "right"), ("worker", "left"),
+                          ("updated", "right")]:
+        table.add_column(name, justify=justify)
+    shown = rows
+    if max_rows is not None and len(rows) > max_rows:
+        first = sorted(rows, key=lambda r: (r["state"] == "done", r["state"] != "stale", r["stream"]))
+        shown = first[:max(max_rows, 1)]
+        shown.sort(key=lambda r: r["stream"])
+    for r in shown:
+        table.add_row(str(r["stream"]), Text(r["state"], style=_STYLE[r["state"]]),
+                      _records_cell(r["records"], r["total"]),
+                      human_count(r["samples"]), human_count(r["tokens"]), str(r["shards"]),
+                      human_count(r["rate"]) if r["rate"] else "-", str(r["worker"]), _human_age(r["age"]))
+    if len(shown) < len(rows):
+        hidden = [r for r in rows if r not in shown]
+        table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "",
+                      f"{sum(r['state'] == 'done' for r in hidden)} of them done")
+    totals = [r["total"] for r in rows]
+    total = sum(totals) if all(t is not None for t in totals) else None
+    ages = [r["age"] for r in rows if r["age"] is not None]
+    table.add_row("total", Text(f"{done}/{len(rows)} done"), _records_cell(sum(r["records"] for r in rows), total),
+                  human_count(sum(r["samples"] for r in rows)), human_count(sum(r["tokens"] for r in rows)),
+                  str(sum(r["shards"] for r in rows)),
+                  human_count(sum(r["rate"] for r in rows)) if any(r["rate"] for r in rows) else "-",
+                  f"{len({r['worker'] for r in rows if r['state'] == 'running'})} running",
+                  _human_age(min(ages) if ages else None), style="bold", end_section=True)
+    return table
+
+
+def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None,
+          until_done: bool = True) -> None:
+    """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C)."""
+    console = console or Console()
+    scanner = RunScanner(url)
+    try:
+        with Live(status_table(scanner, max_rows=max(console.height - 8, 4)), console=console,
+                  refresh_per_second=4, transient=False) as live:
+            while True:
+                rows = status_rows(scanner)
+                live.update(status_table(scanner, max_rows=max(console.height - 8, 4)))
+                if until_done and rows and all(r["state"] == "done" for r in rows):
+                    return
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableType]:
+    """What a run holds: its setup, the committed totals, per-tensor stats, and one sample."""
+    run = open_run(_storage(url))
+    info, data, model = run.info, run.info.get("data") or {}, run.info.get("model") or {}
+    streams = covered_streams(info)
+    done = sum(run.done(s) for s in streams)
+    skipped = sum(len(sc.get("skipped") or []) for sc in run.shards)
+    counts = data.get("counts")
+
+    about = Table.grid(padding=(0, 2))
+    about.add_column(style="bold")
+    about.add_column()
+    about.add_row("run", run.url)
+    about.add_row("model", f"{model.get('source', '?')} ({model.get('model_type', '?')}, "
+                           f"{model.get('num_layers', '?')} layers, d={model.get('hidden_size', '?')}, "
+                           f"ffn={model.get('intermediate_size', '?')})")
+    points = ", ".join(f"{p}:{_ranges_text(layers)}" for p, layers in info.get("points") or [])
+    about.add_row("points", points or ", ".join(run.tensors))
+    about.add_row("dtype", f"{run.dtype} (computed in {info.get('compute_dtype', '?')})")
+    about.add_row("input", f"{data.get('source', '?')}, format {info.get('format', '?')}, max_seq_len "
+                           f"{info.get('max_seq_len', '?')}, long {info.get('long', '?')}")
+    about.add_row("streams", f"{done}/{len(streams)} done"
+                  + (f", {sum(counts):,} records" if isinstance(counts, list) else ", length unknown"))
+    about.add_row("committed", f"{run.num_samples:,} samples, {run.num_tokens:,} tokens, {len(run.shards)} shards, "
+                               f"{human_bytes(run.num_bytes)}, {skipped} skipped")
+    about.add_row("version", f"harvest {info.get('harvest_version', '?')}, format {info.get('format_version', '?')}, "
+                             f"config {str(info.get('config_sha256', '?'))[:12]}")
+
+    tensors = Table(title="tensors (stats over every committed token)", title_justify="left")
+    for name in ("tensor", "width", "dtype", "tokens", "mean of means", "mean std", "max |mean|"):
+        tensors.add_column(name, justify="left" if name == "tensor" else "right")
+    for name, width in run.tensors.items():
+        stats = run.stats(name)
+        if stats.count:
+            std = np.sqrt(stats.var)
+            tensors.add_row(name, str(width), run.dtype, f"{stats.count:,}", f"{stats.mean.mean():+.4g}",
+                            f"{std.mean():.4g}", f"{np.abs(stats.mean).max():.4g}")
+        else:
+            tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-")
+
+    out: list[RenderableType] = [about, tensors]
+    first = next((sc for sc in run.shards if int(sc["samples"]) > 0), None)
+    if first is not None:
+        sample = next(run.shard_samples(first))
+        n = min(sample_tokens, len(sample.tokens))
+        table = Table(title=f"sample {sample.sample_id} variant {sample.variant} (stream {sample.stream}, "
+                            f"{len(sample.tokens)} tokens): first {n} tokens, activation L2 norms",
+                      title_justify="left")
+        table.add_column("", style="bold")
+        for j in range(n):
+            table.add_column(str(j), justify="right")
+        table.add_row("token", *(str(int(t)) for t in sample.tokens[:n]))
+        for name, values in sample.activations.items():
+            norms = np.linalg.norm(np.asarray(values[:n], np.float32), axis=-1)
+            table.add_row(name, *(f"{v:.3g}" for v in norms))
+        out.append(table)
+    else:
+        out.append(Text("no committed sample yet", style="dim"))
+    return out
+
+
+def _ranges_text(layers: list[int]) -> str:
+    runs: list[list[int]] = []
+    for v in layers:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

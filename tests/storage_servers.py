@@ -1,0 +1,425 @@
+"""Real storage servers on loopback for tests, and a proxy that can cut them off.
+
+Fixtures (load with `pytest_plugins = ["storage_servers"]` in tests/conftest.py):
+
+- `gcs_server`, `s3_server` (session): `gcp-storage-emulator` and `moto_server` as subprocesses on free
+  127.0.0.1 ports, started on first use, terminated at session end. While up, os.environ carries what a
+  user would set (STORAGE_EMULATOR_HOST + GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; AWS_ENDPOINT_URL +
+  AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_DEFAULT_REGION), so subprocesses of tests inherit it.
+- `gcs_url`, `s3_url`: a fresh bucket per test; yields `gs://harvest-test-<pid>-<n>/run` (`s3://...`).
+- `gcs_proxy`, `s3_proxy`: a `FlakyProxy` in front of the server, with the endpoint variable pointed at it
+  for the test; `gcs_proxy_url`, `s3_proxy_url`: a fresh bucket reached through that proxy.
+
+The GCS emulator is started with one addition: it honours `ifGenerationMatch=0` (create only if absent),
+as real GCS does and gcp-storage-emulator 2026.7.19 does not; without it no test could tell a conditional
+create from an overwrite. Both servers are skipped (with the reason) only when not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Read by gcsfs when it is imported: without it gcsfs probes every bucket over gRPC for a minute.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+HOST = "127.0.0.1"
+
+# Run as `python -c _GCS_EMULATOR start --host=... --port=... --in-memory`.
+_GCS_EMULATOR = r'''
+import sys, urllib.parse
+from http import HTTPStatus
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+# Real GCS honours ifGenerationMatch=0 ("create only if absent"); this emulator ignores preconditions.
+# Teach it that one, before its server module binds the handlers. The server handles one request at a
+# time, so the check and the create below cannot interleave with another request.
+_create_only = set()
+_insert, _upload_partial = objects.insert, objects.upload_partial
+
+def _exists(storage, bucket, name):
+    try:
+        storage.get_file_obj(bucket, name)
+        return True
+    except NotFound:
+        return False
+
+def _refuse(response):
+    response.status = HTTPStatus.PRECONDITION_FAILED
+    response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
+                             "errors": [{"reason": "conditionNotMet", "message": "Precondition Failed"}]}})
+
+def insert(request, response, storage, *args, **kwargs):
+    if request.query.get("ifGenerationMatch") != ["0"]:
+        return _insert(request, response, storage, *args, **kwargs)
+    name = request.query["name"][0] if "name" in request.query else None
+    if name is None and isinstance(request.data, dict):
+        name = (request.data.get("meta") or request.data).get("name")
+    if name and _exists(storage, request.params["bucket_name"], name):
+        return _refuse(response)
+    out = _insert(request, response, storage, *args, **kwargs)
+    location = response._headers.get("Location")
+    if location:  # a resumable upload: check again when it completes
+        _create_only.update(urllib.parse.parse_qs(urllib.parse.urlparse(location).query).get("upload_id", []))
+    return out
+
+def upload_partial(request, response, storage, *args, **kwargs):
+    upload_id = (request.query.get("upload_id") or [None])[0]
+    if upload_id in _create_only:
+        try:
+            obj = storage.get_resumable_file_obj(upload_id)
+        except NotFound:
+            obj = None
+        if obj is not None and _exists(storage, obj["bucket"], obj["name"]):
+            return _refuse(response)
+    return _upload_partial(request, response, storage, *args, **kwargs)
+
+objects.insert, objects.upload_partial = insert, upload_partial
+
+from gcp_storage_emulator.__main__ import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, log: Path, name: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode} on start:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"{name} did not accept connections on {HOST}:{port} within {timeout:.0f}s:\n{log.read_text()[-3000:]}")
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _start(name: str, cmd: list[str], port: int, log_dir: Path) -> Server:
+    log = log_dir / f"{name}.log"
+    with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the server
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    _wait_for_port(port, proc, log, name)
+    return Server(name, port, proc, log)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    """Set os.environ for a block (so subprocesses see it too); restore after."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _bin(name: str) -> str | None:
+    local = Path(sys.executable).parent / name  # the venv's bin, also when it is not on PATH
+    return str(local) if local.exists() else shutil.which(name)
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    if importlib.util.find_spec("gcp_storage_emulator") is None:
+        pytest.skip("gcp-storage-emulator is not installed (pip install -e '.[test]')")
+    port = _free_port()
+    server = _start("gcp-storage-emulator",
+                    [sys.executable, "-c", _GCS_EMULATOR, "start", f"--host={HOST}", f"--port={port}", "--in-memory"],
+                    port, tmp_path_factory.mktemp("gcs-emulator"))
+    try:
+        with _environ({"STORAGE_EMULATOR_HOST": server.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}):
+            yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    binary = _bin("moto_server")
+    if binary is None:
+        pytest.skip("moto_server is not installed (pip install -e '.[test]', which brings moto[server])")
+    port = _free_port()
+    server = _start("moto_server", [binary, "-H", HOST, "-p", str(port)], port, tmp_path_factory.mktemp("moto"))
+    env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    try:
+        with _environ(env):
+            yield server
+    finally:
+        server.stop()
+
+
+_buckets = itertools.count()
+
+
+def _bucket_name() -> str:
+    return f"harvest-test-{os.getpid()}-{next(_buckets)}"
+
+
+def _http(method: str, url: str, body: bytes | None = None, headers: dict | None = None) -> None:
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
+def create_gcs_bucket(server: Server, name: str) -> None:
+    _http("POST", f"{server.endpoint}/storage/v1/b?project=harvest-test", json.dumps({"name": name}).encode(),
+          {"Content-Type": "application/json"})
+
+
+def create_s3_bucket(server: Server, name: str) -> None:
+    _http("PUT", f"{server.endpoint}/{name}", b"")  # us-east-1: no location constraint
+
+
+@pytest.fixture
+def gcs_url(gcs_server) -> str:
+    name = _bucket_name()
+    create_gcs_bucket(gcs_server, name)
+    return f"gs://{name}/run"
+
+
+@pytest.fixture
+def s3_url(s3_server) -> str:
+    name = _bucket_name()
+    create_s3_bucket(s3_server, name)
+    return f"s3://{name}/run"
+
+
+# ------------------------------------------------------------------------------------------------------
+
+
+def _abort(sock: socket.socket) -> None:
+    """Close with a TCP RST (as a dying server or a dropped NAT entry would look to the peer)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class FlakyProxy:
+    """A TCP proxy on 127.0.0.1 in front of `target` that can be told to fail.
+
+    `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
+    connection refused) for `seconds`, then serves again on the same port. `cut()` resets open
+    connections only. `connections` counts the connections proxied, `outages` the outages started.
+    """
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self._lock = threading.Lock()
+        self._socks: set[socket.socket] = set()
+        self._closed = False
+        self._timer: threading.Timer | None = None
+        self.connections = 0
+        self.outages = 0
+        self._listener: socket.socket | None = self._listen(0)
+        self.port = self._listener.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True, name=f"flaky-proxy-{self.port}")
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @staticmethod
+    def _listen(port: int) -> socket.socket:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+            s.listen(128)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    def _serve(self) -> None:
+        while not self._closed:
+            listener = self._listener
+            if listener is None:
+                time.sleep(0.01)
+                continue
+            try:
+                ready, _, _ = select.select([listener], [], [], 0.05)
+                if not ready:
+                    continue
+                client, _ = listener.accept()
+            except (OSError, ValueError):  # closed under us by an outage
+                continue
+            threading.Thread(target=self._bridge, args=(client,), daemon=True).start()
+
+    def _bridge(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+        except OSError:
+            _abort(client)
+            return
+        with self._lock:
+            if self._closed or self._listener is None:  # an outage began meanwhile
+                _abort(client)
+                _abort(upstream)
+                return
+            self._socks.update((client, upstream))
+            self.connections += 1
+        done = threading.Semaphore(0)
+        threading.Thread(target=self._pump, args=(upstream, client, done), daemon=True).start()
+        self._pump(client, upstream, done)
+        done.acquire()
+        done.acquire()
+        with self._lock:
+            self._socks.discard(client)
+            self._socks.discard(upstream)
+        for s in (client, upstream):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, done: threading.Semaphore) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                dst.shutdown(socket.SHUT_WR)  # pass the EOF on
+            done.release()
+
+    def cut(self) -> None:
+        """Reset every open connection (new ones are still served)."""
+        with self._lock:
+            socks, self._socks = list(self._socks), set()
+        for s in socks:
+            _abort(s)
+
+    def outage(self, seconds: float) -> None:
+        """Reset all open connections now and refuse new ones for `seconds` (returns at once)."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            self.outages += 1
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(seconds, self._restore)
+            self._timer.daemon = True
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
+        self.cut()
+        self._timer.start()
+
+    @property
+    def down(self) -> bool:
+        return self._listener is None
+
+    def _restore(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                listener = self._listen(self.port)
+                break
+            except OSError:
+                if time.monotonic() > deadline or self._closed:
+                    return
+                time.sleep(0.05)
+        with self._lock:
+            if self._closed or self._listener is not None:
+                listener.close()
+                return
+            self._listener = listener
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            listener, self._listener = self._listener, None
+            if self._timer is not None:
+                self._timer.cancel()
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
+        self.cut()
+        self._thread.join(2)
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server, monkeypatch):
+    proxy = FlakyProxy((HOST, gcs_server.port))
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch):
+    proxy = FlakyProxy((HOST, s3_server.port))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def gcs_proxy_url(gcs_url, gcs_proxy) -> str:
+    """A fresh bucket, reached through `gcs_proxy` (STORAGE_EMULATOR_HOST points at the proxy)."""
+    return gcs_url
+
+
+@pytest.fixture
+def s3_proxy_url(s3_url, s3_proxy) -> str:
+    """A fresh bucket, reached through `s3_proxy` (AWS_ENDPOINT_URL points at the proxy)."""
+    return s3_url
