@@ -15,3 +15,5 @@ os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="harvest-hub-")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).parent))
+
+pytest_plugins = ["storage_servers"]

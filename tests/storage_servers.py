@@ -250,7 +250,8 @@ class FlakyProxy:
 
     `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
     connection refused) for `seconds`, then serves again on the same port. `cut()` resets open
-    connections only. `connections` counts the connections proxied, `outages` the outages started.
+    connections only. `connections` counts the connections proxied, `outages` the outages started,
+    `bytes_up` the bytes passed on to the server.
     """
 
     def __init__(self, target: tuple[str, int]):
@@ -261,6 +262,7 @@ class FlakyProxy:
         self._timer: threading.Timer | None = None
         self.connections = 0
         self.outages = 0
+        self.bytes_up = 0
         self._listener: socket.socket | None = self._listen(0)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"flaky-proxy-{self.port}")
@@ -313,7 +315,7 @@ class FlakyProxy:
             self.connections += 1
         done = threading.Semaphore(0)
         threading.Thread(target=self._pump, args=(upstream, client, done), daemon=True).start()
-        self._pump(client, upstream, done)
+        self._pump(client, upstream, done, up=True)
         done.acquire()
         done.acquire()
         with self._lock:
@@ -323,14 +325,15 @@ class FlakyProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket, done: threading.Semaphore) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, done: threading.Semaphore, up: bool = False) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
                 dst.sendall(data)
+                if up:
+                    self.bytes_up += len(data)  # approximate under threads; for tests to wait on
         except (OSError, ValueError):
             pass
         finally:

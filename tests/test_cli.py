@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from harvest.data.batching import pack_rows
+from harvest.data.batching import Piece, StreamEnd, pack_stream
 
 
 def harvest(*args, tmp_path):
@@ -14,13 +14,14 @@ def harvest(*args, tmp_path):
     return subprocess.run([sys.executable, "-m", "harvest", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_demo_runs_offline_and_prints_captures(tmp_path):
-    result = harvest("demo", "--samples", "12", "--points", "resid_post:0-1,mlp_hidden:1", tmp_path=tmp_path)
+def test_demo_runs_the_whole_pipeline_offline(tmp_path):
+    result = harvest("demo", "--tasks", "6", "--points", "resid_post:0-1,mlp_hidden:1", "--out", str(tmp_path / "run"),
+                     tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "mesh   data=2 x fsdp=1 x model=1" in result.stdout
-    for row in ("mlp_hidden │     1", "resid_post │     0", "resid_post │     1"):
-        assert row in result.stdout
-    assert (tmp_path / "demo-qwen2" / "model.safetensors").exists()
+    assert "2 streams [3, 3]" in result.stdout
+    assert "4. verify  OK" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json", "stream_00000", "stream_00001"]
+    assert (tmp_path / "demo-qwen2-v2" / "tokenizer.json").exists()
 
 
 def test_demo_checkpoint_is_the_same_bytes_every_time(tmp_path):
@@ -33,8 +34,12 @@ def test_demo_checkpoint_is_the_same_bytes_every_time(tmp_path):
 
 def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
     for args, expected in (
-        (("demo", "--points", "resid_post:7"), "layer 7 does not exist; the model has layers 0-3"),
-        (("demo", "--mesh", "model=3"), "= 3 devices, but there are 2"),
+        (("demo", "--tasks", "2", "--points", "resid_post:7"), "layer 7 does not exist; the model has layers 0-3"),
+        (("extract", "--model", str(tmp_path), "--data", "x.jsonl"), "missing --out"),
+        (("extract", "--model", "/no/model", "--data", "x.jsonl", "--out", str(tmp_path / "o"), "--format", "csv"),
+         "--format 'csv': choose one of text, chat, arc"),
+        (("extract", "--model", "/no/model", "--data", "x.jsonl", "--out", str(tmp_path / "o")),
+         "--model /no/model: no such directory"),
     ):
         result = harvest(*args, tmp_path=tmp_path)
         assert result.returncode == 2
@@ -47,9 +52,12 @@ def test_help_names_the_commands(tmp_path):
     assert result.returncode == 0 and "demo" in result.stdout
 
 
-def test_pack_rows_fills_greedily_in_order():
-    samples = [np.full(n, i + 1) for i, n in enumerate([5, 4, 6, 3, 8])]
-    tokens, segments, placements = pack_rows(samples, seq_len=10)
-    assert [(p.row, p.start) for p in placements] == [(0, 0), (0, 5), (1, 0), (1, 6), (2, 0)]
-    assert segments.tolist()[1] == [1] * 6 + [2] * 3 + [0]
-    assert tokens.tolist()[1] == [3] * 6 + [4] * 3 + [0]
+def test_pack_stream_fills_rows_greedily_in_stream_order():
+    pieces = [Piece((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate([5, 4, 6, 3, 8])]
+    rows = list(pack_stream([*pieces, StreamEnd(5)], seq_len=10))
+    assert [row.start for row in rows] == [(0, 0), (2, 0), (4, 0)]
+    assert rows[1].segments.tolist() == [1] * 6 + [2] * 3 + [0]
+    assert rows[1].tokens.tolist() == [3] * 6 + [4] * 3 + [0]
+    assert rows[-1].end == StreamEnd(5)
+    resumed = list(pack_stream([*pieces, StreamEnd(5)], seq_len=10, skip_before=(2, 0)))
+    assert [r.tokens.tolist() for r in resumed] == [r.tokens.tolist() for r in rows[1:]]

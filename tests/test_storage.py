@@ -80,9 +80,8 @@ def test_open_text_streams_lines(root):
     with st.open_text("data/s.jsonl") as f:
         got = [line.rstrip("\n") for line in f]
     assert got == lines
-    with pytest.raises(StorageNotFoundError):
-        with st.open_text("data/none.jsonl"):
-            pass
+    with pytest.raises(StorageNotFoundError), st.open_text("data/none.jsonl"):
+        pass
 
 
 def test_write_20mb(root):
@@ -112,9 +111,9 @@ def test_create_exclusive_race(root):
         barrier = threading.Barrier(2)
         results: dict[str, bool] = {}
 
-        def go(name: str) -> None:
+        def go(name: str, barrier=barrier, results=results, rel=f"race/{round_}.json") -> None:
             barrier.wait()
-            results[name] = st.create_exclusive(f"race/{round_}.json", f'{{"worker": "{name}"}}'.encode())
+            results[name] = st.create_exclusive(rel, f'{{"worker": "{name}"}}'.encode())
 
         threads = [threading.Thread(target=go, args=(n,)) for n in ("w1", "w2")]
         for t in threads:
@@ -281,16 +280,19 @@ def test_exact_bytes_whatever_the_last_byte(root, tail):
         assert st.read_bytes(f"x/{n}.bin") == data
 
 
-def test_connections_cut_mid_upload(flaky):
+def test_connections_cut_mid_upload(flaky, caplog):
     url, proxy = flaky
     st = Storage(url, backoff=0.05)
     data = os.urandom(16 * 2**20)
     stop = threading.Event()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
 
     def cutter() -> None:
-        for _ in range(3):  # reset whatever is open, a few times, while the upload runs
-            if stop.wait(0.03):
-                return
+        for _ in range(2):  # twice: once 2 MB into the upload, once 2 MB into its retry
+            start = proxy.bytes_up
+            while proxy.bytes_up < start + 2 * 2**20:
+                if stop.wait(0.001):
+                    return
             proxy.cut()
 
     t = threading.Thread(target=cutter)
@@ -300,4 +302,26 @@ def test_connections_cut_mid_upload(flaky):
     finally:
         stop.set()
         t.join()
+    # Each cut costs a retry here (aiohttp may also re-send an idempotent PUT once by itself).
+    assert len([r for r in caplog.records if r.name == LOGGER]) >= 1
     assert st.read_bytes("big.bin") == data
+
+
+@pytest.mark.parametrize("precheck", [None, False])
+@pytest.mark.parametrize("kind", ["gs", "s3"])
+def test_create_exclusive_reply_lost(kind, precheck, request, monkeypatch):
+    """The create landed but the connection dropped before the reply: the retry must still say True."""
+    st = Storage(request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_url"), backoff=0.01,
+                 exclusive_precheck=precheck)
+    real_put, calls = Storage._put, []
+
+    def put_then_drop(self, fs, path, payload, *, create):
+        calls.append(path)
+        real_put(self, fs, path, payload, create=create)
+        if len(calls) == 1:
+            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
+
+    monkeypatch.setattr(Storage, "_put", put_then_drop)
+    assert st.create_exclusive("lease.json", b'{"worker": "me", "pid": 7}') is True
+    assert st.create_exclusive("lease.json", b'{"worker": "other", "pid": 8}') is False
+    assert st.read_json("lease.json") == {"worker": "me", "pid": 7}

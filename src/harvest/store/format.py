@@ -73,7 +73,9 @@ def encode_shard(
         "sample_ids": np.ascontiguousarray(sample_ids, np.int64),
         "variants": np.ascontiguousarray(variants, np.int32),
     }
-    return st_save(tensors, metadata={"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata})
+    # safetensors keeps metadata in a hash map whose order varies run to run: one key keeps the bytes stable.
+    fields = {"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata}
+    return st_save(tensors, metadata={"harvest": json.dumps(fields, sort_keys=True)})
 
 
 # safetensors dtype tags -> numpy: safetensors.numpy.load has no BF16 entry, so shards are decoded here.
@@ -100,7 +102,7 @@ def decode_shard(data: bytes) -> dict[str, np.ndarray]:
 
 
 def shard_metadata(data: bytes) -> dict[str, str]:
-    """The safetensors header's `__metadata__` (format, format_version, ...), parsed as JSON only."""
+    """The shard's own fields (format, format_version, stream, shard) from the safetensors header, as JSON."""
     if len(data) < 8:
         raise ValueError("not a readable safetensors file (shorter than its header length)")
     (n,) = struct.unpack("<Q", data[:8])
@@ -110,7 +112,11 @@ def shard_metadata(data: bytes) -> dict[str, str]:
         header = json.loads(bytes(data[8:8 + n]))
     except ValueError as e:
         raise ValueError(f"not a readable safetensors file (header: {e})") from None
-    return header.get("__metadata__") or {}
+    try:
+        fields = json.loads((header.get("__metadata__") or {}).get("harvest", "{}"))
+    except ValueError as e:
+        raise ValueError(f"not a harvest shard (metadata: {e})") from None
+    return fields if isinstance(fields, dict) else {}
 
 
 def sha256(data: bytes) -> str:

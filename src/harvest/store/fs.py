@@ -4,7 +4,8 @@ harvest needs on it, with retries on transient errors and atomic writes.
 Paths given to the methods are relative, '/'-separated, under the root (`stream_00003/shard_000012.json`).
 
 - A write either lands whole or not at all: locally a temp file in the same directory, fsync, rename;
-  on GCS/S3 a single-object PUT (or resumable / multipart upload) becomes visible only when complete.
+  on GCS/S3 a single-object upload (GCS: a media upload below 50 MB, resumable above; S3: a PUT, multipart
+  above 100 MB) becomes visible only when complete.
 - `create_exclusive` creates an object only if absent: O_EXCL (via link(2)) locally, `ifGenerationMatch=0`
   on GCS, `If-None-Match: *` on S3.
 - Transient errors (connection refused/reset, timeouts, HTTP 408/429/5xx) are retried here, in one place,
@@ -31,7 +32,8 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from harvest.errors import UserError
 
@@ -179,7 +181,7 @@ def _gcs_filesystem() -> Any:
     env = os.environ
     emulator = _custom_endpoint("gs")
     zonal = env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
-    key = ("gs", env.get("STORAGE_EMULATOR_HOST"), zonal, os.getpid())
+    key = ("gs", env.get("STORAGE_EMULATOR_HOST"), zonal, env.get("GOOGLE_APPLICATION_CREDENTIALS"), os.getpid())
     with _FS_LOCK:
         if key in _FS_CACHE:
             return _FS_CACHE[key]
@@ -340,7 +342,7 @@ class Storage:
             raise ValueError(f"{rel!r}: not a plain relative path ('a/b/c', no '..', no leading or double '/')")
         return parts
 
-    def child(self, rel: str) -> "Storage":
+    def child(self, rel: str) -> Storage:
         """The Storage rooted at `rel` under this one (same retry settings)."""
         parts = self._check_rel(rel)
         new = object.__new__(Storage)
@@ -375,7 +377,7 @@ class Storage:
                 return fn()
             except StorageError:
                 raise
-            except Exception as e:  # noqa: BLE001 - classified below
+            except Exception as e:
                 transient = is_transient(e)
                 if not transient or attempt >= self.attempts:
                     raise self._error(op, rel, e, attempt if transient else 0, time.monotonic() - start) from e
@@ -497,7 +499,7 @@ class Storage:
         the open or mid-stream, reopens the object at the current offset (with the usual retries)."""
         path = self.path(rel)
         if self.is_local:
-            f = self._retry("open", rel, lambda: open(path, "rb"))
+            f = self._retry("open", rel, lambda: open(path, "rb"))  # noqa: SIM115 - closed by the with below
             with f:
                 yield f
             return
@@ -517,7 +519,7 @@ class Storage:
         """A text reader for streaming line by line (`for line in f`); see open_binary for retries."""
         if self.is_local:
             path = self.path(rel)
-            f = self._retry("open", rel, lambda: open(path, "r", encoding=encoding))
+            f = self._retry("open", rel, lambda: open(path, encoding=encoding))  # noqa: SIM115 - as above
             with f:
                 yield f
             return
@@ -572,15 +574,15 @@ class Storage:
                     fs.invalidate_cache()
                     try:
                         fs.info(path)
-                        return False
                     except FileNotFoundError:
                         pass
+                    else:
+                        raise FileExistsError(path)
                 self._put(fs, path, payload, create=True)
                 return True
-            except FileExistsError:  # HTTP 412: the precondition failed, someone else's object is there
-                if failed_before and fs.cat_file(path) == payload:
-                    return True  # our earlier try landed; its reply was lost
-                return False
+            except FileExistsError:  # HTTP 412: the precondition failed, an object is there
+                # Ours if an earlier try of this call landed but its reply was lost; else someone else's.
+                return failed_before and fs.cat_file(path) == payload
             except Exception:
                 failed_before = True
                 raise

@@ -1,0 +1,336 @@
+"""End-to-end extraction benchmark: harvest `run_extract` vs a plain HF-transformers loop, on CPU.
+
+Same random Qwen2 model (with a byte-level tokenizer), same generated jsonl text dataset (record lengths
+lognormal, clipped to --min-len..--max-len tokens: a FineWeb-like long tail), same capture points, same
+max_seq_len (longer records truncated by both), same storage dtype (bf16). Prints one table:
+
+  (a) harvest end-to-end: run_extract into a fresh temp dir. Wall time including tokenizer + model load,
+      the summary's time (pipeline only: includes the jit compile), and a steady-state rate that also
+      leaves out the first forward call (compile): the bench wraps the job's Decoder to timestamp calls.
+  (b) HF as users write it today: read jsonl, tokenizer(padding="longest", truncation=True,
+      max_length=max_seq_len) per batch of --hf-batch-size samples in file order, fp32 model(...,
+      output_hidden_states=True) under no_grad, hidden_states[layer + 1] for each point, padding dropped,
+      cast to bf16, safetensors.torch.save_file per batch (with input_ids and lengths, as harvest stores).
+  (c) forward only: harvest's Decoder on the packed rows harvest builds (data.batching), no I/O,
+      compile excluded; next to it the time (b) spent inside model(...) on its padded batches.
+  (d) padding: fraction of the token slots computed that are padding, for each.
+
+All tokens/s count real (non-padding) tokens; both pipelines see the same token count (checked). The
+caption also compares a stored harvest sample with HF's values for it (bf16, layers before the last:
+HF's last hidden state has the final norm applied, so it is not resid_post of the last layer).
+
+Run:  .venv/bin/python bench/extract.py            (defaults take ~3-4 minutes on 2 CPU cores)
+      .venv/bin/python bench/extract.py --records 200 --layers 2   (a quick smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from forward import hf_config, show  # noqa: E402  (the colleague's model config and table printer)
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from harvest.config import ExtractConfig  # noqa: E402
+from harvest.data import prompts, streams  # noqa: E402
+from harvest.data.batching import pack_stream, stream_pieces  # noqa: E402
+from harvest.demo import demo_checkpoint  # noqa: E402
+from harvest.extract import job  # noqa: E402
+from harvest.model import load_decoder, parse_points  # noqa: E402
+from harvest.runtime.mesh import make_mesh  # noqa: E402
+
+WORDS = ("the of and to in is was for on that with as by at from his her an which are this be or had it not "
+         "were have but their one all also first new two has they more time after its been who other into "
+         "would world between during under such most years over some city state university government "
+         "national history people school system season several although including company number music").split()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = p.add_argument_group("data")
+    d.add_argument("--records", type=int, default=600, help="jsonl records (default 600)")
+    d.add_argument("--median", type=float, default=300, help="median record length in tokens (default 300)")
+    d.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (default 1.0)")
+    d.add_argument("--min-len", type=int, default=50, help="shortest record, tokens (default 50)")
+    d.add_argument("--max-len", type=int, default=2000, help="longest record, tokens (default 2000)")
+    r = p.add_argument_group("run")
+    r.add_argument("--max-seq-len", type=int, default=1024, help="harvest row length = HF max_length (default 1024)")
+    r.add_argument("--batch-size", type=int, default=8, help="harvest packed rows per forward (default 8)")
+    r.add_argument("--hf-batch-size", type=int, default=None, help="HF samples per forward (default: --batch-size)")
+    r.add_argument("--points", default=None, help="capture points (default resid_post at every layer)")
+    r.add_argument("--shard-size", default="128MB", help="harvest shard size (default 128MB)")
+    r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
+    r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    r.add_argument("--keep", default=None, help="write model, data and outputs here and keep them (default: temp)")
+    m = p.add_argument_group("model (Qwen2, random weights)")
+    m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    m.add_argument("--intermediate", type=int, default=768, help="MLP width (default 768)")
+    m.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
+    args = p.parse_args()
+    args.hf_batch_size = args.hf_batch_size or args.batch_size
+    args.points = args.points or f"resid_post:0-{args.layers - 1}"
+    args.shapes = [(args.batch_size, args.max_seq_len)]  # for forward.hf_config's max_position_embeddings
+    if args.vocab < 259:
+        p.error("--vocab must be >= 259 (256 bytes + 3 specials of the byte-level tokenizer)")
+    return args
+
+
+# --- setup (not timed) -------------------------------------------------------------------------------------
+
+def build_model(args: argparse.Namespace, root: Path) -> Path:
+    """A random Qwen2 checkpoint (non-zero biases, as forward.build_models) with harvest.demo's byte tokenizer."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(hf_config(args, args.layers)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.02)
+    path = root / "model"
+    model.save_pretrained(path)
+    demo = demo_checkpoint(root / "demo")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, path / name)
+    return path
+
+
+def write_data(args: argparse.Namespace, root: Path) -> tuple[Path, np.ndarray]:
+    """jsonl of {"text"} records; ASCII text, so with the byte tokenizer one character is one token."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(args.median), args.sigma, args.records), args.min_len, args.max_len)
+    lengths = lengths.astype(int)
+    words = rng.choice(WORDS, size=int(lengths.sum()) // 3 + 100)
+    text = " ".join(words)
+    path = root / "data.jsonl"
+    with path.open("w") as f:
+        at = 0
+        for i, n in enumerate(lengths):
+            f.write(json.dumps({"id": i, "text": text[at : at + n]}) + "\n")
+            at += n
+    return path, lengths
+
+
+# --- (a) harvest end-to-end ---------------------------------------------------------------------------------
+
+class TimedDecoder:
+    """Wraps the job's Decoder: timestamps each call's return and counts its real tokens (segment > 0)."""
+
+    def __init__(self, decoder):
+        self._decoder = decoder
+        self.calls: list[tuple[float, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+    def __call__(self, tokens, segments):
+        out = self._decoder(tokens, segments)
+        self.calls.append((time.perf_counter(), int(np.count_nonzero(segments))))
+        return out
+
+
+def run_harvest(args, model_dir: Path, data: Path, out: Path) -> dict:
+    wrapped: list[TimedDecoder] = []
+    original = job.load_decoder
+
+    def load_timed(*a, **k):
+        wrapped.append(TimedDecoder(original(*a, **k)))
+        return wrapped[-1]
+
+    cfg = ExtractConfig(model=str(model_dir), data=str(data), out=str(out), points=args.points,
+                        max_seq_len=args.max_seq_len, batch_size=args.batch_size, long="truncate",
+                        dtype="bfloat16", compute_dtype="float32", shard_size=args.shard_size,
+                        overwrite=True).validate()
+    job.load_decoder = load_timed
+    try:
+        t0 = time.perf_counter()
+        summary = job.run_extract(cfg)
+        t_end = time.perf_counter()
+    finally:
+        job.load_decoder = original
+    calls = wrapped[0].calls
+    (t_first, first_tokens), later = calls[0], sum(n for _, n in calls[1:])
+    return {"summary": summary, "wall": t_end - t0, "tokens": summary["tokens_this_run"],
+            "padding": summary["padding"], "pipeline": summary["seconds"],
+            "steady": t_end - t_first, "steady_tokens": later, "first_call": t_first - t0, "batches": len(calls)}
+
+
+# --- (b) HF transformers ----------------------------------------------------------------------------------
+
+def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int]) -> dict:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
+    t_loaded = time.perf_counter()
+    stages = {"read + tokenize": 0.0, "model(...)": 0.0, "select + bf16 + save": 0.0}
+    real = slots = 0
+    with data.open() as f:
+        lines = f.readlines()
+    for b, at in enumerate(range(0, len(lines), args.hf_batch_size)):
+        t = time.perf_counter()
+        texts = [json.loads(line)["text"] for line in lines[at : at + args.hf_batch_size]]
+        enc = tokenizer(texts, padding="longest", truncation=True, max_length=args.max_seq_len, return_tensors="pt")
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            hidden = model(**enc, output_hidden_states=True).hidden_states
+        t2 = time.perf_counter()
+        keep = enc["attention_mask"].bool()
+        tensors = {f"resid_post.{layer}": hidden[layer + 1][keep].to(torch.bfloat16) for layer in layers}
+        tensors["input_ids"] = enc["input_ids"][keep]
+        tensors["lengths"] = keep.sum(1)
+        save_file(tensors, str(out / f"batch_{b:06d}.safetensors"))
+        t3 = time.perf_counter()
+        stages["read + tokenize"] += t1 - t
+        stages["model(...)"] += t2 - t1
+        stages["select + bf16 + save"] += t3 - t2
+        real += int(keep.sum())
+        slots += keep.numel()
+    t_end = time.perf_counter()
+    return {"wall": t_end - t0, "pipeline": t_end - t_loaded, "tokens": real, "padding": 1 - real / slots,
+            "stages": stages, "batches": b + 1}
+
+
+# --- (c) harvest forward only -----------------------------------------------------------------------------
+
+def run_forward(args, model_dir: Path, data: Path) -> dict:
+    """harvest's own packing of the same data, then the Decoder on each batch; compile timed apart."""
+    tokenizer = prompts.load_tokenizer(model_dir)
+    events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
+                           prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=args.max_seq_len,
+                           long="truncate", strict=False, sample_error=prompts.SampleError)
+    rows = list(pack_stream(events, args.max_seq_len))
+    B, S = args.batch_size, args.max_seq_len
+    batches = []
+    for at in range(0, len(rows), B):
+        tokens, segments = np.zeros((B, S), np.int32), np.zeros((B, S), np.int32)
+        for i, row in enumerate(rows[at : at + B]):
+            tokens[i], segments[i] = row.tokens, row.segments
+        batches.append((tokens, segments))
+    decoder = load_decoder(model_dir, args.points, make_mesh("data=1"), "float32", out_dtype="bfloat16")
+    t0 = time.perf_counter()
+    jax.block_until_ready(decoder(*batches[0]))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for tokens, segments in batches:
+        jax.block_until_ready(decoder(tokens, segments))
+    seconds = time.perf_counter() - t0
+    real = sum(int(np.count_nonzero(s)) for _, s in batches)
+    return {"seconds": seconds, "compile": compile_s, "tokens": real, "padding": 1 - real / (len(batches) * B * S),
+            "batches": len(batches)}
+
+
+# --- check and table ---------------------------------------------------------------------------------------
+
+def compare_sample(harvest_out: Path, hf_out: Path, layers: list[int], sample_id: int = 0) -> float:
+    """Max |harvest - HF| (as float32 of the bf16 values) over one sample, layers before the model's last."""
+    import harvest
+    from safetensors.numpy import load_file
+
+    got = harvest.open(str(harvest_out)).sample(sample_id).activations
+    ref = load_file(str(hf_out / "batch_000000.safetensors"))  # bf16 arrays via ml_dtypes
+    n = int(ref["lengths"][0])
+    diffs = [np.abs(got[f"resid_post.{layer}"].astype(np.float32) - ref[f"resid_post.{layer}"][:n].astype(np.float32)).max()
+             for layer in layers]
+    return float(max(diffs)) if diffs else float("nan")
+
+
+def main() -> None:
+    args = parse_args()
+    load = os.getloadavg()[0]
+    torch.set_num_threads(args.threads)
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="harvest-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        model_dir = build_model(args, root)
+        data, lengths = write_data(args, root)
+        plan = parse_points(args.points, args.layers)
+        resid = [layer for p, ls in plan.points if p == "resid_post" for layer in ls]
+        if [p for p, _ in plan.points] != ["resid_post"]:
+            sys.exit("--points: this bench compares resid_post only (HF hidden_states)")
+        print(f"data: {args.records} records, {int(lengths.sum()):,} tokens before truncation "
+              f"(median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max {lengths.max()}); "
+              f"{(lengths > args.max_seq_len).mean():.1%} longer than {args.max_seq_len}", flush=True)
+        print("(a) harvest run_extract ...", flush=True)
+        a = run_harvest(args, model_dir, data, root / "out-harvest")
+        print(f"    {a['wall']:.1f} s", flush=True)
+        print("(b) HF transformers loop ...", flush=True)
+        b = run_hf(args, model_dir, data, root / "out-hf", resid)
+        print(f"    {b['wall']:.1f} s", flush=True)
+        print("(c) harvest forward only ...", flush=True)
+        c = run_forward(args, model_dir, data)
+        print(f"    {c['seconds'] + c['compile']:.1f} s", flush=True)
+        diff = compare_sample(root / "out-harvest", root / "out-hf", [x for x in resid if x < args.layers - 1])
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def rate(tokens, seconds):
+        return tokens / seconds
+
+    def ratio(x, y):
+        return f"{x / y:.2f}x"
+
+    hf_e2e, hf_pipe = rate(b["tokens"], b["wall"]), rate(b["tokens"], b["pipeline"])
+    hf_fwd = rate(b["tokens"], b["stages"]["model(...)"])
+    h_e2e, h_pipe = rate(a["tokens"], a["wall"]), rate(a["tokens"], a["pipeline"])
+    h_steady, h_fwd = rate(a["steady_tokens"], a["steady"]), rate(c["tokens"], c["seconds"])
+    pct = "{:.1%}".format
+    rows = [
+        ["(a) harvest", "end to end, incl. model load + compile", f"{a['wall']:.1f}", f"{a['tokens']:,}",
+         f"{h_e2e:,.0f}", pct(a["padding"]), ratio(h_e2e, hf_e2e)],
+        ["(a) harvest", "summary: pipeline, incl. compile", f"{a['pipeline']:.1f}", f"{a['tokens']:,}",
+         f"{h_pipe:,.0f}", "", ratio(h_pipe, hf_pipe)],
+        ["(a) harvest", "steady state: after 1st forward returned", f"{a['steady']:.1f}", f"{a['steady_tokens']:,}",
+         f"{h_steady:,.0f}", "", ratio(h_steady, hf_pipe)],
+        ["(b) HF", "end to end, incl. model load", f"{b['wall']:.1f}", f"{b['tokens']:,}", f"{hf_e2e:,.0f}",
+         pct(b["padding"]), ""],
+        ["(b) HF", "after model load", f"{b['pipeline']:.1f}", f"{b['tokens']:,}", f"{hf_pipe:,.0f}", "", ""],
+        *[["(b) HF", f"  stage: {name}", f"{s:.1f}", "", "", "", ""] for name, s in b["stages"].items()],
+        ["(c) harvest", "forward only, packed rows, no I/O", f"{c['seconds']:.1f}", f"{c['tokens']:,}",
+         f"{h_fwd:,.0f}", pct(c["padding"]), ratio(h_fwd, hf_fwd)],
+        ["(c) harvest", "  jit compile (first call)", f"{c['compile']:.1f}", "", "", "", ""],
+        ["(c) HF", "model(...) of (b), padded batches", f"{b['stages']['model(...)']:.1f}", f"{b['tokens']:,}",
+         f"{hf_fwd:,.0f}", pct(b["padding"]), ""],
+        ["(d) padding", "harvest (summary) vs HF", "", "", "", f"{pct(a['padding'])} vs {pct(b['padding'])}", ""],
+    ]
+    same = "same" if a["tokens"] == b["tokens"] == c["tokens"] else "DIFFERENT"
+    footer = (
+        f"Qwen2, random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
+        f"{args.heads}/{args.kv_heads} kv, vocab {args.vocab} (byte tokenizer: 1 token per character); fp32 "
+        f"compute, bf16 storage; points {args.points}. Data: {args.records} jsonl records, lengths lognormal "
+        f"(median {args.median:g}, sigma {args.sigma:g}) clipped to {args.min_len}..{args.max_len}, truncated at "
+        f"{args.max_seq_len}. harvest: {args.batch_size} packed rows x {args.max_seq_len} per forward "
+        f"({a['batches']} forwards), shard size {args.shard_size}; HF: {args.hf_batch_size} samples per forward "
+        f"padded to the longest, file order ({b['batches']} forwards), {args.attn} attention, "
+        f"AutoModelForCausalLM (LM head included). Real tokens: {same} in (a), (b), (c). "
+        f"harvest/HF: tokens/s ratio (>1 = harvest faster); the steady-state row is compared with HF after load. "
+        f"Sample 0, max |harvest - HF| (bf16, resid_post below layer {args.layers - 1}): {diff:.3g}.\n"
+        f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} cores; "
+        f"load average {load:.1f} before the run"
+    )
+    if not sys.stdout.isatty():  # rich would wrap the table at 100 columns (forward.show's minimum)
+        os.environ.setdefault("COLUMNS", "132")
+    header = ["pipeline", "what", "seconds", "real tokens", "tokens/s", "padding", "harvest/HF"]
+    show("harvest extraction vs HF transformers (CPU)", header, rows, footer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Helpers for tests that run `harvest extract` as a user would: a subprocess, killed at will.
+
+Every process gets HARVEST_CACHE, JAX_PLATFORMS=cpu and XLA_FLAGS with a small fake-device count, so a
+test controls the mesh regardless of the suite's conftest defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TMP_MARK = ".harvest-tmp-"  # harvest.store.fs: local temp files of writes in flight (hidden from listdir)
+VOLATILE = {"progress.json", "lease.json"}  # per stream: bookkeeping, not data; may differ between runs
+
+
+def harvest_env(cache: Path, devices: int = 2) -> dict[str, str]:
+    return {**os.environ, "HARVEST_CACHE": str(cache), "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def harvest_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "harvest", *args]
+
+
+def run_harvest(*args: str, env: dict[str, str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(harvest_cmd(*args), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_text_dataset(path: Path, n: int = 300, seed: int = 1234) -> Path:
+    """`n` jsonl records of 5..400 chars (most short, some long enough to be chunked), deterministic, with
+    two malformed lines, one empty text and a few non-ASCII characters (several byte tokens each)."""
+    rng = random.Random(seed)
+    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly zebras "
+             "naïve café déjà vu 猫 🙂 residual stream sparse autoencoder").split()
+    lines = []
+    for i in range(n):
+        if i in (41, 177):
+            lines.append('{"text": "torn line without its end')
+            continue
+        if i == 99:
+            lines.append(json.dumps({"text": ""}))
+            continue
+        length = int(5 + 395 * rng.random() ** 3)
+        text = ""
+        while len(text) < length:
+            text += rng.choice(words) + rng.choice(" ,. \n")
+        lines.append(json.dumps({"text": text[:length], "id": i}, ensure_ascii=False))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def sidecars(out: Path) -> list[Path]:
+    return sorted(out.glob("stream_*/shard_*.json"))
+
+
+def count_sidecars(out: Path) -> int:
+    total = 0
+    try:
+        streams = [e.path for e in os.scandir(out) if e.name.startswith("stream_")]
+    except FileNotFoundError:
+        return 0
+    for d in streams:
+        try:
+            total += sum(1 for e in os.scandir(d) if e.name.startswith("shard_") and e.name.endswith(".json"))
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def is_complete(out: Path, num_streams: int) -> bool:
+    """Every stream's last committed sidecar is `final`."""
+    for s in range(num_streams):
+        found = sorted((out / f"stream_{s:05d}").glob("shard_*.json"))
+        if not found or not json.loads(found[-1].read_text())["final"]:
+            return False
+    return True
+
+
+def kill_at_random(cmd: list[str], env: dict[str, str], out: Path, rng: random.Random, log: Path,
+                   timeout: float = 120) -> dict:
+    """Start `cmd`, SIGKILL it at a moment drawn from `rng`: after 1-12 more shards committed (plus up to
+    0.2 s), or after a plain delay that may land in start-up. Returns what happened."""
+    before = count_sidecars(out)
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if rng.random() < 0.75:
+        mode, target, extra = "shards", before + rng.randint(1, 12), rng.uniform(0.0, 0.2)
+        deadline = time.monotonic() + timeout
+        while count_sidecars(out) < target and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(extra)
+    else:
+        mode, target = "delay", None
+        try:
+            proc.wait(timeout=rng.uniform(1.0, 10.0))
+        except subprocess.TimeoutExpired:
+            pass
+    alive = proc.poll() is None
+    if alive:
+        os.kill(proc.pid, signal.SIGKILL)
+    rc = proc.wait()
+    return {"mode": mode, "target": target, "killed": alive, "rc": rc, "before": before,
+            "after": count_sidecars(out)}
+
+
+def wait_for_sidecars(proc: subprocess.Popen, out: Path, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while count_sidecars(out) < n:
+        if proc.poll() is not None:
+            raise AssertionError(f"harvest exited ({proc.returncode}) before {n} shards were committed")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {n} committed shards after {timeout}s")
+        time.sleep(0.01)
+
+
+def files_under(root: Path) -> dict[str, Path]:
+    """Every file under root (hidden ones too), by path relative to root."""
+    return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def data_files(root: Path) -> tuple[dict[str, bytes], list[str]]:
+    """(contents of the files a run is made of, leftover temp files). Leaves out per-stream progress.json
+    and lease.json (bookkeeping) and local temp files of interrupted writes (invisible to harvest)."""
+    data, temps = {}, []
+    for rel, path in files_under(root).items():
+        if TMP_MARK in path.name:
+            temps.append(rel)
+        elif path.name not in VOLATILE:
+            data[rel] = path.read_bytes()
+    return data, temps
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Names, sizes and mtimes of everything under root (directories included): any write shows."""
+    return {p.relative_to(root).as_posix(): (p.stat().st_size if p.is_file() else -1, p.stat().st_mtime_ns)
+            for p in sorted(root.rglob("*"))}
+
+
+def json_diff(a, b, path: str = "") -> list[str]:
+    """Dotted paths where two JSON values differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            sub = f"{path}.{k}" if path else str(k)
+            out += json_diff(a.get(k), b.get(k), sub) if k in a and k in b else [sub]
+        return out
+    return [] if a == b else [path]

@@ -1,0 +1,206 @@
+"""Exactly once, as a user meets it: `harvest extract` killed at random moments and rerun writes the same
+bytes as a run never killed; `harvest verify` catches a missing or altered shard; a stream held by another
+worker's lease stops a second worker before it writes anything; a run.json made with other settings is
+refused unless --overwrite.
+
+Everything runs the real CLI in subprocesses on the tiny embedded demo checkpoint (2 fake CPU devices, so
+2 data slots share 3 streams), over a 300-record jsonl made here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+
+from extract_helpers import (
+    count_sidecars,
+    data_files,
+    harvest_cmd,
+    harvest_env,
+    is_complete,
+    json_diff,
+    kill_at_random,
+    run_harvest,
+    sidecars,
+    snapshot,
+    wait_for_sidecars,
+    write_text_dataset,
+)
+
+pytestmark = pytest.mark.slow
+
+NUM_STREAMS = 3
+POINTS = "resid_post:1-3,mlp_out:2"
+SETTINGS = ("--points", POINTS, "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
+            "--shard-size", "64KB")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Streams of a 300-record dataset and a reference extraction into `a`, never interrupted."""
+    from harvest.demo import demo_checkpoint
+
+    root = tmp_path_factory.mktemp("resume")
+    cache = root / "cache"
+    checkpoint = demo_checkpoint(cache)
+    env = harvest_env(cache, devices=2)
+    source = write_text_dataset(root / "data.jsonl", n=300)
+    streams = root / "streams"
+    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(NUM_STREAMS),
+                       "--out", str(streams), env=env)
+    assert made.returncode == 0, made.stderr
+
+    def extract_args(out: Path, *extra: str) -> list[str]:
+        return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", str(out), *SETTINGS, *extra]
+
+    a = root / "a"
+    first = run_harvest(*extract_args(a), env=env)
+    assert first.returncode == 0, first.stderr
+    assert "chunked" in first.stdout and "bad inputs skipped: 3" in first.stdout, first.stdout
+    checked = run_harvest("verify", str(a), env=env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    per_stream = [len(list((a / f"stream_{s:05d}").glob("shard_*.json"))) for s in range(NUM_STREAMS)]
+    assert min(per_stream) >= 20, f"want many shards per stream, got {per_stream}"
+    return types.SimpleNamespace(root=root, env=env, a=a, args=extract_args, per_stream=per_stream)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """b holds exactly a's files, byte for byte (progress.json and leases aside); run.json differs only in
+    the --out it records (config.out: the one setting that must differ between two output directories)."""
+    files_a, temps_a = data_files(a)
+    files_b, temps_b = data_files(b)
+    assert not temps_a
+    assert sorted(files_a) == sorted(files_b), (sorted(set(files_a) ^ set(files_b)))
+    run_a, run_b = json.loads(files_a.pop("run.json")), json.loads(files_b.pop("run.json"))
+    assert json_diff(run_a, run_b) == ["config.out"], json_diff(run_a, run_b)
+    differ = [rel for rel in files_a if files_a[rel] != files_b[rel]]
+    assert not differ, f"{len(differ)} files differ, e.g. {differ[:5]}"
+    for out in (a, b):  # a finished run holds no lease
+        assert not list(out.glob("stream_*/lease.json"))
+    # Temp files of writes that a SIGKILL cut short: a resumed worker clears them from its streams.
+    assert not temps_b, f"temp files of killed writes left behind: {temps_b}"
+
+
+def verify(out: Path, env) -> subprocess.CompletedProcess:
+    return run_harvest("verify", str(out), env=env)
+
+
+def test_killed_at_random_moments_and_resumed_writes_the_same_bytes(run):
+    b = run.root / "b"
+    cmd = harvest_cmd(*run.args(b))
+    rng = random.Random(20261121)
+    kills = [kill_at_random(cmd, run.env, b, rng, log=run.root / "b.log") for _ in range(4)]
+    mid_run = [k for k in kills if k["killed"] and k["after"] > k["before"]]
+    assert mid_run, f"no kill landed mid-run: {kills}"
+    assert not is_complete(b, NUM_STREAMS), f"the run finished before the last kill: {kills}"
+    finished = run_harvest(*run.args(b), env=run.env)
+    assert finished.returncode == 0, finished.stderr
+    assert_same_run(run.a, b)
+    checked = verify(b, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    # A kill just after a shard's data landed but before its sidecar, simulated on the finished run:
+    # stream 0 loses its last sidecar (the final shard), stream 1 its last sidecar with the orphan data
+    # file cut short, stream 2 a middle sidecar with one byte of the orphan flipped (later shards of
+    # stream 2 are then rewritten too). Resume rewrites each under the same name, with the same bytes.
+    streams = [sorted((b / f"stream_{s:05d}").glob("shard_*.json")) for s in range(NUM_STREAMS)]
+    streams[0][-1].unlink()
+    streams[1][-1].unlink()
+    orphan = streams[1][-1].with_suffix(".safetensors")
+    orphan.write_bytes(orphan.read_bytes()[: orphan.stat().st_size // 2])
+    middle = streams[2][len(streams[2]) // 2]
+    middle.unlink()
+    orphan = middle.with_suffix(".safetensors")
+    data = bytearray(orphan.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    orphan.write_bytes(bytes(data))
+    resumed = run_harvest(*run.args(b), env=run.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(run.a, b)
+    checked = verify(b, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_verify_names_a_missing_or_altered_shard(run):
+    missing = run.root / "v-missing"
+    shutil.copytree(run.a, missing)
+    (missing / "stream_00001/shard_000003.safetensors").unlink()
+    result = verify(missing, run.env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = result.stdout.splitlines()[:-1]
+    assert problems and all("stream_00001/shard_000003" in line for line in problems), result.stdout
+    assert "shard_000003.safetensors is missing" in result.stdout, result.stdout
+    assert "FAILED" in result.stdout.splitlines()[-1]
+
+    flipped = run.root / "v-flipped"
+    shutil.copytree(run.a, flipped)
+    altered = "stream_00002/shard_000005.safetensors"
+    data = bytearray((flipped / altered).read_bytes())
+    data[-7] ^= 0x01  # in the tensor data, not the header: the file still decodes
+    (flipped / altered).write_bytes(bytes(data))
+    result = verify(flipped, run.env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    problems = result.stdout.splitlines()[:-1]
+    assert problems and all(altered in line for line in problems), result.stdout
+    assert "sha256" in result.stdout, result.stdout
+
+
+def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run):
+    out = run.root / "leased"
+    args = run.args(out, "--max-samples", "30")
+    log = run.root / "leased-a.log"
+    with open(log, "wb") as f:
+        worker_a = subprocess.Popen(harvest_cmd(*args, "--worker-id", "a"), env=run.env, stdout=f,
+                                    stderr=subprocess.STDOUT)
+    try:
+        wait_for_sidecars(worker_a, out, 2)
+    finally:
+        worker_a.kill()
+        worker_a.wait()
+    assert not is_complete(out, NUM_STREAMS)
+    leases = sorted(out.glob("stream_*/lease.json"))
+    assert leases and all(json.loads(p.read_text())["worker"] == "a" for p in leases)
+
+    before = snapshot(out)
+    second = run_harvest(*args, "--worker-id", "b", env=run.env)
+    assert second.returncode == 2, second.stdout + second.stderr
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
+    stream = int(leases[0].parent.name.split("_")[1])
+    assert f"stream {stream} " in lines[0] and "'a'" in lines[0], lines[0]
+    assert snapshot(out) == before, "the refused worker changed the output"
+
+    resumed = run_harvest(*args, "--worker-id", "a", env=run.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert is_complete(out, NUM_STREAMS) and not list(out.glob("stream_*/lease.json"))
+    checked = verify(out, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_other_settings_into_the_same_out_are_refused_unless_overwrite(run):
+    out = run.root / "mismatch"
+    shutil.copytree(run.a, out)
+    before = snapshot(out)
+    other = run.args(out)
+    other[other.index("--points") + 1] = "resid_post:1-2"
+    refused = run_harvest(*other, env=run.env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"points: '{POINTS}' -> 'resid_post:1-2'" in lines[0] and "--overwrite" in lines[0], lines[0]
+    assert snapshot(out) == before, "the refused run changed the output"
+
+    redone = run_harvest(*other, "--overwrite", env=run.env)
+    assert redone.returncode == 0, redone.stderr
+    info = json.loads((out / "run.json").read_text())
+    assert info["points"] == [["resid_post", [1, 2]]] and sorted(info["tensors"]) == ["resid_post.1", "resid_post.2"]
+    checked = verify(out, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert is_complete(out, NUM_STREAMS)
+    assert count_sidecars(out) == len(sidecars(out)) < sum(run.per_stream)  # fewer tensors: fewer shards
