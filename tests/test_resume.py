@@ -204,3 +204,22 @@ def test_other_settings_into_the_same_out_are_refused_unless_overwrite(run):
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert is_complete(out, NUM_STREAMS)
     assert count_sidecars(out) == len(sidecars(out)) < sum(run.per_stream)  # fewer tensors: fewer shards
+
+
+def test_rerunning_a_finished_run_from_another_directory_changes_nothing(run):
+    """The same streams and out, spelled relative to another working directory (a worker restarted from
+    elsewhere, another host's mount): the run is recognised as the same one, finds every stream done and
+    writes nothing."""
+    out = run.root / "finished"
+    shutil.copytree(run.a, out)
+    before, _ = data_files(out)
+    args = [x for x in run.args(out)]
+    args[args.index("--data") + 1] = "streams"
+    args[args.index("--out") + 1] = "finished"
+    rerun = subprocess.run(harvest_cmd(*args), env=run.env, cwd=run.root, capture_output=True, text=True,
+                           timeout=180)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "this run 0 tokens" in rerun.stdout and "0 shards" in rerun.stdout, rerun.stdout
+    after, temps = data_files(out)
+    assert after == before and not temps
+    assert not list(out.glob("stream_*/lease.json"))

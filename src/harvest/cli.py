@@ -37,6 +37,7 @@ EXTRACT_HELP = {
     "coordinator": "multi-host: HOST:PORT of process 0 (else $JAX_COORDINATOR_ADDRESS or auto-detected)",
     "num_processes": "multi-host: number of processes (else $JAX_PROCESS_COUNT)",
     "process_id": "multi-host: this process's index (else $JAX_PROCESS_INDEX)",
+    "peer_timeout": "multi-host: seconds before a silent process counts as dead and the others exit (default: 60)",
 }
 
 

@@ -56,6 +56,7 @@ class ExtractConfig:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    peer_timeout: int = 60  # seconds before a silent process counts as dead and the others stop
 
     # Settings that decide the bytes written: a resumed run must agree on all of them.
     OUTPUT_FIELDS = ("points", "format", "text_field", "max_seq_len", "long", "dtype", "shard_size", "seed",

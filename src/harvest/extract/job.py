@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import socket
 import queue
 import threading
 import time
@@ -32,7 +33,7 @@ from harvest.extract.report import Progress, summarize
 from harvest.model import Decoder, default_compute_dtype, load_decoder
 from harvest.model.weights import resolve_checkpoint
 from harvest.runtime import distributed
-from harvest.runtime.mesh import make_mesh
+from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
 from harvest.store.commit import Leases, resume_point
 from harvest.store.fs import Storage
@@ -55,7 +56,7 @@ class Batch:
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     """Run (or resume) an extraction; returns the summary printed at the end."""
-    distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
     mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     out = Storage(cfg.out)
     checkpoint = resolve_checkpoint(cfg.model)
@@ -65,17 +66,32 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
     run_info = _run_info(cfg, decoder, checkpoint, data, compute_dtype)
+    distributed.agree({**_agreed(run_info), "harvest_version": run_info["harvest_version"], "streams": chosen,
+                       "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
 
+    slots = _slot_plan(mesh, chosen)
+    mine = sorted(s for streams_of_slot in slots.values() for s in streams_of_slot)
     if cfg.overwrite:
-        _wipe(out, chosen)
-    _check_or_write_run(out, run_info)
-    worker = cfg.worker_id or f"{__import__('socket').gethostname()}:{jax.process_index()}"
+        _wipe(out, mine, run_json=jax.process_index() == 0)
+        distributed.barrier("harvest-overwrite")
+    _check_run(out, run_info)
+    worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker)
-    leases.acquire(chosen)
+    leases.acquire(mine)
     try:
-        return _extract(cfg, decoder, tokenizer, data, chosen, out, leases, run_info)
+        if jax.process_index() == 0 and not out.exists("run.json"):
+            out.write_json("run.json", run_info)
+        return _extract(cfg, decoder, tokenizer, data, slots, out, leases, run_info)
     finally:
         leases.release_all()
+
+
+def _slot_plan(mesh, chosen: list[int]) -> dict[int, list[int]]:
+    """This process's slots and their streams. Slot k (k-th block of the batch, over data x fsdp) takes
+    streams chosen[k::slots] and belongs to the process that owns its first device."""
+    firsts = mesh.devices.reshape(-1, mesh.devices.shape[-1])[:, 0]
+    return {k: chosen[k :: len(firsts)] for k, device in enumerate(firsts)
+            if device.process_index == jax.process_index()}
 
 
 def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
@@ -130,35 +146,36 @@ def _agreed(info: dict[str, Any]) -> dict[str, Any]:
             "tensors": info["tensors"], "compute_dtype": info["compute_dtype"], **settings}
 
 
-def _check_or_write_run(out: Storage, info: dict[str, Any]) -> None:
-    if out.exists("run.json"):
-        existing = out.read_json("run.json")
-        old, new = _agreed(existing), _agreed(info)
-        differ = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
-        if differ:
-            raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); "
-                              "use another --out, or --overwrite to start over")
+def _check_run(out: Storage, info: dict[str, Any]) -> None:
+    """Refuse to add to a run made with other settings, showing the difference."""
+    if not out.exists("run.json"):
         return
-    out.write_json("run.json", info)
+    old, new = _agreed(out.read_json("run.json")), _agreed(info)
+    differ = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
+    if differ:
+        raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); "
+                          "use another --out, or --overwrite to start over")
 
 
-def _wipe(out: Storage, chosen: list[int]) -> None:
-    for stream in chosen:
+def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
+    for stream in streams_to_wipe:
         directory = fmt.stream_dir(stream)
         for name in out.listdir(directory):
             out.delete(f"{directory}/{name}")
-    out.delete("run.json")
+    if run_json:
+        out.delete("run.json")
 
 
-def _extract(cfg, decoder: Decoder, tokenizer, data, chosen, out: Storage, leases: Leases, info) -> dict[str, Any]:
-    resume = {s: resume_point(out, s) for s in chosen}
-    todo = [s for s in chosen if not resume[s].done]
-    slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
+def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]], out: Storage, leases: Leases,
+             info) -> dict[str, Any]:
+    mine = sorted(s for streams_of_slot in slots.values() for s in streams_of_slot)
+    resume = {s: resume_point(out, s) for s in mine}
+    todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
     widths = info["tensors"]
     dtype = np.dtype(fmt.DTYPES[cfg.dtype])
-    writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in todo}
+    writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in mine if not resume[s].done}
     totals = info["data"]["counts"]
-    progress = Progress(out, {s: (totals[s] if totals else None) for s in chosen}, resume, worker=leases.worker)
+    progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed)
     encode = prompts.encoder(tokenizer, cfg.format)
     arc = {"encoder": cfg.arc_encoder, "augment": cfg.arc_augment, "include_answer": cfg.arc_include_answer}
@@ -177,26 +194,45 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, chosen, out: Storage, lease
                                sample_error=prompts.SampleError)
         return pack_stream(events, cfg.max_seq_len, skip_before=point.row_start)
 
-    plan = [todo[k::slots] for k in range(slots)]
+    num_slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
+    shape = (num_slots * cfg.batch_size, cfg.max_seq_len)
+    idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     failure: list[BaseException] = []
-    feeder = _Stage(lambda: _feed(plan, stream_rows, cfg.batch_size, cfg.max_seq_len, batches, failure), failure)
+    feeder = _Stage(lambda: _feed(todo, stream_rows, cfg.batch_size, shape, batches, failure), failure)
     host = _Stage(lambda: _to_shards(captured, decoder, writers, committer, progress), failure)
     start = time.monotonic()
+    local_done = False
     with progress.display():
-        while (batch := _get(batches, failure)) is not None:
-            outputs = decoder(batch.tokens, batch.segments)
-            for array in outputs.values():
-                array.copy_to_host_async()
-            _put(captured, (batch, outputs), failure)
+        while True:
+            batch = None if local_done else _get(batches, failure)
+            local_done = batch is None
+            # Every process runs every step (the model may span hosts); the run ends on all of them together.
+            if not distributed.any_true(not local_done):
+                break
+            outputs = decoder((batch or idle).tokens, (batch or idle).segments)
+            if batch is not None:
+                for array in outputs.values():
+                    for shard in _local_blocks(array):
+                        shard.data.copy_to_host_async()
+                _put(captured, (batch, outputs), failure)
         _put(captured, None, failure)
         host.join(failure)
         feeder.join(failure)
         committer.close()
-    for stream in todo:
+    for stream in writers:
         leases.release(stream)
-    return summarize(out, chosen, elapsed=time.monotonic() - start, progress=progress)
+    distributed.barrier("harvest-extract-done")
+    return summarize(out, mine, elapsed=time.monotonic() - start, progress=progress)
+
+
+def _local_blocks(array: jax.Array) -> list:
+    """One addressable shard per distinct batch block (model-axis replicas hold the same rows)."""
+    seen: dict[int, Any] = {}
+    for shard in array.addressable_shards:
+        seen.setdefault(shard.index[1].start or 0, shard)
+    return [seen[k] for k in sorted(seen)]
 
 
 def _limit(records, n: int):
@@ -248,27 +284,25 @@ def _get(q: queue.Queue, failure: list[BaseException]):
             continue
 
 
-def _feed(plan: list[list[int]], stream_rows, batch_size: int, seq_len: int, batches: queue.Queue,
+def _feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
           failure: list[BaseException]) -> None:
-    """Batches of `batch_size` rows per slot; a slot that runs out of streams pads with empty rows."""
-    iterators = [_chain(streams_of_slot, stream_rows) for streams_of_slot in plan]
-    live = [True] * len(plan)
-    while any(live):
-        rows: list[tuple[int, Row] | None] = []
-        for slot, it in enumerate(iterators):
-            for _ in range(batch_size):
-                item = next(it, None) if live[slot] else None
+    """Batches of `batch_size` rows for each of this process's slots (the other slots' blocks stay empty:
+    their processes fill them); a slot out of streams pads with empty rows."""
+    iterators = {k: _chain(streams_of_slot, stream_rows) for k, streams_of_slot in slots.items()}
+    live = {k: True for k in slots}
+    while any(live.values()):
+        tokens, segments = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        rows: list[tuple[int, Row] | None] = [None] * shape[0]
+        for k, it in iterators.items():
+            for i in range(k * batch_size, (k + 1) * batch_size):
+                item = next(it, None) if live[k] else None
                 if item is None:
-                    live[slot] = False
-                rows.append(item)
-        if not any(rows):
-            break
-        tokens = np.zeros((len(rows), seq_len), np.int32)
-        segments = np.zeros((len(rows), seq_len), np.int32)
-        for i, item in enumerate(rows):
-            if item is not None:
+                    live[k] = False
+                    continue
+                rows[i] = item
                 tokens[i], segments[i] = item[1].tokens, item[1].segments
-        _put(batches, Batch(tokens, segments, rows), failure)
+        if any(rows):
+            _put(batches, Batch(tokens, segments, rows), failure)
     _put(batches, None, failure)
 
 
@@ -279,16 +313,21 @@ def _chain(stream_ids: list[int], stream_rows) -> Iterator[tuple[int, Row]]:
 
 
 def _to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Committer, progress: Progress) -> None:
-    """Host side: captures to numpy, rows to their stream's writer, closed shards to the committer."""
+    """Host side: this process's rows of the captures to numpy, to their stream's writer; closed shards to
+    the committer."""
     names = [(p, j, fmt.tensor_name(p, layer)) for p, layers in decoder.plan.points for j, layer in enumerate(layers)]
     while (item := captured.get()) is not None:
         batch, outputs = item
-        host = {p: np.asarray(v) for p, v in outputs.items()}
+        blocks = {p: [(shard.index[1].start or 0, np.asarray(shard.data)) for shard in _local_blocks(v)]
+                  for p, v in outputs.items()}
         for r, entry in enumerate(batch.rows):
             if entry is None:
                 continue
             stream, row = entry
-            values = {name: host[p][j, r, : row.used] for p, j, name in names}
+            values = {}
+            for p, j, name in names:
+                start, block = next((s, b) for s, b in reversed(blocks[p]) if s <= r)
+                values[name] = block[j, r - start, : row.used]
             for shard in writers[stream].add_row(row, values):
                 committer.submit(shard)
             progress.rows_done(stream, row)

@@ -10,11 +10,13 @@ instead of a hang.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Mapping
 
 import jax
+import numpy as np
 
 from harvest.errors import UserError
 
@@ -155,3 +157,51 @@ def _coordinator() -> str | None:
     from jax._src import distributed  # not re-exported by jax.distributed
 
     return getattr(distributed.global_state, "coordinator_address", None)
+
+
+class DisagreementError(UserError):
+    pass
+
+
+def _allgather_bytes(data: bytes) -> list[bytes]:
+    """Every process's bytes, in process order (two small collectives: lengths, then padded payloads)."""
+    from jax.experimental import multihost_utils
+
+    lengths = multihost_utils.process_allgather(np.asarray([len(data)], np.int64)).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(data)] = np.frombuffer(data, np.uint8)
+    gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
+    return [bytes(row[:n]) for row, n in zip(gathered, lengths)]
+
+
+def agree(settings: dict, what: str = "settings") -> None:
+    """All processes must hold equal `settings` (JSON-able); otherwise every one of them stops, showing the
+    fields where some process differs from process 0. A no-op for one process."""
+    if jax.process_count() == 1:
+        return
+    mine = json.dumps(settings, sort_keys=True, default=str).encode()
+    everyone = [json.loads(b) for b in _allgather_bytes(mine)]
+    first = everyone[0]
+    differ = []
+    for index, other in enumerate(everyone[1:], start=1):
+        for key in sorted(set(first) | set(other)):
+            if first.get(key) != other.get(key):
+                differ.append(f"{key}: process 0 has {first.get(key)!r}, process {index} has {other.get(key)!r}")
+    if differ:
+        raise DisagreementError(f"processes disagree on {what}: {'; '.join(differ[:6])}")
+
+
+def any_true(flag: bool) -> bool:
+    """True if `flag` is true on any process (one tiny collective); the processes' shared loop condition."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.asarray([flag], np.int32)).any())
+
+
+def barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
