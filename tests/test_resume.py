@@ -175,6 +175,10 @@ def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run
     stream = int(leases[0].parent.name.split("_")[1])
     assert f"stream {stream} " in lines[0] and "'a'" in lines[0], lines[0]
     assert snapshot(out) == before, "the refused worker changed the output"
+    # --overwrite deletes a worker's streams: only once it holds them, never under another worker's lease.
+    wiping = run_harvest(*args, "--worker-id", "b", "--overwrite", env=run.env)
+    assert wiping.returncode == 2 and f"stream {stream} " in wiping.stderr, wiping.stdout + wiping.stderr
+    assert snapshot(out) == before, "--overwrite by a worker without the lease changed the output"
 
     resumed = run_harvest(*args, "--worker-id", "a", env=run.env)
     assert resumed.returncode == 0, resumed.stderr

@@ -69,8 +69,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     distributed.agree({**_agreed(run_info), "harvest_version": run_info["harvest_version"], "streams": chosen,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
 
-    slots = _slot_plan(mesh, chosen)
-    mine = sorted(s for streams_of_slot in slots.values() for s in streams_of_slot)
+    fed, owned = _slot_plan(mesh, chosen)
+    mine = sorted(s for k in owned for s in fed[k])
     if cfg.overwrite:
         _wipe(out, mine, run_json=jax.process_index() == 0)
         distributed.barrier("harvest-overwrite")
@@ -81,17 +81,19 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     try:
         if jax.process_index() == 0 and not out.exists("run.json"):
             out.write_json("run.json", run_info)
-        return _extract(cfg, decoder, tokenizer, data, slots, out, leases, run_info)
+        return _extract(cfg, decoder, tokenizer, data, fed, mine, out, leases, run_info)
     finally:
         leases.release_all()
 
 
-def _slot_plan(mesh, chosen: list[int]) -> dict[int, list[int]]:
-    """This process's slots and their streams. Slot k (k-th block of the batch, over data x fsdp) takes
-    streams chosen[k::slots] and belongs to the process that owns its first device."""
-    firsts = mesh.devices.reshape(-1, mesh.devices.shape[-1])[:, 0]
-    return {k: chosen[k :: len(firsts)] for k, device in enumerate(firsts)
-            if device.process_index == jax.process_index()}
+def _slot_plan(mesh, chosen: list[int]) -> tuple[dict[int, list[int]], set[int]]:
+    """Slot k (the k-th block of the batch, over data x fsdp) takes streams chosen[k::slots]. A process
+    feeds every slot with a device on it (the model axis may span hosts: each feeds the same rows) and
+    owns, i.e. writes, the slots whose first device is its own."""
+    grid = mesh.devices.reshape(-1, mesh.devices.shape[-1])
+    me = jax.process_index()
+    fed = {k: chosen[k :: len(grid)] for k, devices in enumerate(grid) if any(d.process_index == me for d in devices)}
+    return fed, {k for k in fed if grid[k][0].process_index == me}
 
 
 def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
@@ -166,10 +168,10 @@ def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
         out.delete("run.json")
 
 
-def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]], out: Storage, leases: Leases,
-             info) -> dict[str, Any]:
-    mine = sorted(s for streams_of_slot in slots.values() for s in streams_of_slot)
-    resume = {s: resume_point(out, s) for s in mine}
+def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]], mine: list[int], out: Storage,
+             leases: Leases, info) -> dict[str, Any]:
+    resume = {s: resume_point(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
+    distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
     widths = info["tensors"]
     dtype = np.dtype(fmt.DTYPES[cfg.dtype])
@@ -212,7 +214,7 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]]
             if not distributed.any_true(not local_done):
                 break
             outputs = decoder((batch or idle).tokens, (batch or idle).segments)
-            if batch is not None:
+            if batch is not None and writers:
                 for array in outputs.values():
                     for shard in _local_blocks(array):
                         shard.data.copy_to_host_async()
@@ -228,9 +230,12 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]]
 
 
 def _local_blocks(array: jax.Array) -> list:
-    """One addressable shard per distinct batch block (model-axis replicas hold the same rows)."""
+    """One addressable shard per distinct batch block (model-axis replicas hold the same rows); each holds
+    whole rows at full width, as forward's output sharding pins them."""
     seen: dict[int, Any] = {}
     for shard in array.addressable_shards:
+        if shard.data.shape[-1] != array.shape[-1]:
+            raise AssertionError(f"captures split along their width: {array.sharding}")
         seen.setdefault(shard.index[1].start or 0, shard)
     return [seen[k] for k in sorted(seen)]
 
@@ -286,8 +291,8 @@ def _get(q: queue.Queue, failure: list[BaseException]):
 
 def _feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
           failure: list[BaseException]) -> None:
-    """Batches of `batch_size` rows for each of this process's slots (the other slots' blocks stay empty:
-    their processes fill them); a slot out of streams pads with empty rows."""
+    """Batches of `batch_size` rows for each slot this process feeds (the other blocks stay empty: other
+    processes feed them); a slot out of streams pads with empty rows."""
     iterators = {k: _chain(streams_of_slot, stream_rows) for k, streams_of_slot in slots.items()}
     live = {k: True for k in slots}
     while any(live.values()):
@@ -313,15 +318,15 @@ def _chain(stream_ids: list[int], stream_rows) -> Iterator[tuple[int, Row]]:
 
 
 def _to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Committer, progress: Progress) -> None:
-    """Host side: this process's rows of the captures to numpy, to their stream's writer; closed shards to
-    the committer."""
+    """Host side: the rows of the slots this process owns, to numpy, to their stream's writer; closed shards
+    to the committer."""
     names = [(p, j, fmt.tensor_name(p, layer)) for p, layers in decoder.plan.points for j, layer in enumerate(layers)]
     while (item := captured.get()) is not None:
         batch, outputs = item
         blocks = {p: [(shard.index[1].start or 0, np.asarray(shard.data)) for shard in _local_blocks(v)]
                   for p, v in outputs.items()}
         for r, entry in enumerate(batch.rows):
-            if entry is None:
+            if entry is None or entry[0] not in writers:  # another process writes that slot
                 continue
             stream, row = entry
             values = {}

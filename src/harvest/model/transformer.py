@@ -161,7 +161,8 @@ def forward(
         return (constrain(out["resid_post"], ("batch", "seq", None)), buffers), None
 
     (_, buffers), _ = jax.lax.scan(step, (h, buffers), jnp.arange(n_run))
-    return {p: buf[:-1] for p, buf in buffers.items()}
+    # Pinned again on the way out: without it XLA may leave mlp_hidden split along its width over `model`.
+    return {p: constrain(buf[:-1], ("capture", "batch", "seq", None)) for p, buf in buffers.items()}
 
 
 def captures_by_key(plan: CapturePlan, out: dict[str, jax.Array]) -> dict[tuple[str, int], jax.Array]:
