@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +56,72 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
          "were have but their one all also first new two has they more time after its been who other into "
          "would world between during under such most years over some city state university government "
          "national history people school system season several although including company number music").split()
+
+
+class ThreadCpu:
+    """CPU seconds per thread while running, read from /proc/self/task every `every` s (threads that end
+    keep their last reading), grouped by what the thread does; `label(thread)` names Python threads."""
+
+    def __init__(self, label, every: float = 0.2):
+        self.label, self.every = label, every
+        self.base: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.names: dict[int, str] = {}
+        self.stop = threading.Event()
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        for t in threading.enumerate():
+            if t.native_id is not None and t.native_id not in self.names:
+                self.names[t.native_id] = self.label(t)
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+                comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            name = self.names.get(int(tid)) or ("XLA compute (Eigen pool)" if comm.startswith("tf_") else
+                                                "other native threads")
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    def __enter__(self):
+        self.base = {tid: cpu for tid, (_, cpu) in self._read().items()}
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-cpu-sampler")
+        self.thread.start()
+        return self
+
+    def _run(self):
+        while not self.stop.wait(self.every):
+            self.last.update(self._read())
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.last.update(self._read())
+
+    def by_group(self) -> dict[str, float]:
+        groups: dict[str, float] = {}
+        for tid, (name, cpu) in self.last.items():
+            if name != "bench-cpu-sampler":
+                groups[name] = groups.get(name, 0.0) + cpu - self.base.get(tid, 0.0)
+        return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def harvest_thread(t: threading.Thread) -> str:
+    """What a thread of run_extract does (job._Stage threads are told apart by the function they run)."""
+    names = getattr(getattr(t, "_target_fn", None), "__code__", None)
+    names = names.co_names if names else ()
+    if "_feed" in names:
+        return "feeder: read, tokenize, pack"
+    if "_to_shards" in names:
+        return "host: to numpy, rows -> shards"
+    if t.name.startswith("commit-"):
+        return "commit: stats, encode, write"
+    if t.name == "MainThread":
+        return "main: dispatch, queues"
+    return t.name if t.name == "bench-cpu-sampler" else "other Python threads"
 
 
 def parse_args() -> argparse.Namespace:
@@ -156,16 +223,17 @@ def run_harvest(args, model_dir: Path, data: Path, out: Path) -> dict:
                         overwrite=True).validate()
     job.load_decoder = load_timed
     try:
-        t0 = time.perf_counter()
-        summary = job.run_extract(cfg)
-        t_end = time.perf_counter()
+        with ThreadCpu(harvest_thread) as cpu:
+            t0, c0 = time.perf_counter(), time.process_time()
+            summary = job.run_extract(cfg)
+            t_end, c_end = time.perf_counter(), time.process_time()
     finally:
         job.load_decoder = original
     calls = wrapped[0].calls
-    (t_first, first_tokens), later = calls[0], sum(n for _, n in calls[1:])
-    return {"summary": summary, "wall": t_end - t0, "tokens": summary["tokens_this_run"],
-            "padding": summary["padding"], "pipeline": summary["seconds"],
-            "steady": t_end - t_first, "steady_tokens": later, "first_call": t_first - t0, "batches": len(calls)}
+    t_first, later = calls[0][0], sum(n for _, n in calls[1:])
+    return {"summary": summary, "wall": t_end - t0, "cpu": c_end - c0, "tokens": summary["tokens_this_run"],
+            "padding": summary["padding"], "pipeline": summary["seconds"], "steady": t_end - t_first,
+            "steady_tokens": later, "batches": len(calls), "threads": cpu.by_group()}
 
 
 # --- (b) HF transformers ----------------------------------------------------------------------------------
@@ -174,7 +242,7 @@ def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int]) -> d
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
@@ -202,38 +270,67 @@ def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int]) -> d
         stages["select + bf16 + save"] += t3 - t2
         real += int(keep.sum())
         slots += keep.numel()
-    t_end = time.perf_counter()
-    return {"wall": t_end - t0, "pipeline": t_end - t_loaded, "tokens": real, "padding": 1 - real / slots,
+    t_end, c_end = time.perf_counter(), time.process_time()
+    return {"wall": t_end - t0, "cpu": c_end - c0, "pipeline": t_end - t_loaded, "tokens": real, "padding": 1 - real / slots,
             "stages": stages, "batches": b + 1}
 
 
-# --- (c) harvest forward only -----------------------------------------------------------------------------
+# --- (c) forward only, interleaved ------------------------------------------------------------------------
 
 def run_forward(args, model_dir: Path, data: Path) -> dict:
-    """harvest's own packing of the same data, then the Decoder on each batch; compile timed apart."""
+    """harvest's Decoder on the packed rows harvest builds (data.batching) and HF's model(...) on the padded
+    batches of (b), no I/O, interleaved so that both see the same background load; compile timed apart."""
     tokenizer = prompts.load_tokenizer(model_dir)
     events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
                            prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=args.max_seq_len,
                            long="truncate", strict=False, sample_error=prompts.SampleError)
     rows = list(pack_stream(events, args.max_seq_len))
     B, S = args.batch_size, args.max_seq_len
-    batches = []
+    packed = []
     for at in range(0, len(rows), B):
         tokens, segments = np.zeros((B, S), np.int32), np.zeros((B, S), np.int32)
         for i, row in enumerate(rows[at : at + B]):
             tokens[i], segments[i] = row.tokens, row.segments
-        batches.append((tokens, segments))
+        packed.append((tokens, segments))
+    with data.open() as f:
+        texts = [json.loads(line)["text"] for line in f]
+    padded = [tokenizer(texts[at : at + args.hf_batch_size], padding="longest", truncation=True,
+                        max_length=args.max_seq_len, return_tensors="pt")
+              for at in range(0, len(texts), args.hf_batch_size)]
+
     decoder = load_decoder(model_dir, args.points, make_mesh("data=1"), "float32", out_dtype="bfloat16")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
     t0 = time.perf_counter()
-    jax.block_until_ready(decoder(*batches[0]))
+    jax.block_until_ready(decoder(*packed[0]))
     compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for tokens, segments in batches:
-        jax.block_until_ready(decoder(tokens, segments))
-    seconds = time.perf_counter() - t0
-    real = sum(int(np.count_nonzero(s)) for _, s in batches)
-    return {"seconds": seconds, "compile": compile_s, "tokens": real, "padding": 1 - real / (len(batches) * B * S),
-            "batches": len(batches)}
+
+    def harvest_call(batch):
+        jax.block_until_ready(decoder(*batch))
+
+    @torch.no_grad()
+    def hf_call(enc):
+        model(**enc, output_hidden_states=True)
+
+    work = [(harvest_call, packed), (hf_call, padded)]
+    done, wall, cpu = [0, 0], [0.0, 0.0], [0.0, 0.0]
+    while any(d < len(items) for d, (_, items) in zip(done, work)):
+        # next: the engine that is least far through its batches
+        e = min((k for k in (0, 1) if done[k] < len(work[k][1])), key=lambda k: done[k] / len(work[k][1]))
+        fn, items = work[e]
+        t, c = time.perf_counter(), time.process_time()
+        fn(items[done[e]])
+        wall[e] += time.perf_counter() - t
+        cpu[e] += time.process_time() - c
+        done[e] += 1
+    h_real = sum(int(np.count_nonzero(s)) for _, s in packed)
+    f_real = sum(int(enc["attention_mask"].sum()) for enc in padded)
+    f_slots = sum(enc["attention_mask"].numel() for enc in padded)
+    return {"harvest": {"seconds": wall[0], "cpu": cpu[0], "tokens": h_real, "batches": len(packed),
+                        "padding": 1 - h_real / (len(packed) * B * S)},
+            "hf": {"seconds": wall[1], "cpu": cpu[1], "tokens": f_real, "batches": len(padded),
+                   "padding": 1 - f_real / f_slots},
+            "compile": compile_s}
 
 
 # --- check and table ---------------------------------------------------------------------------------------
@@ -273,44 +370,47 @@ def main() -> None:
         print("(b) HF transformers loop ...", flush=True)
         b = run_hf(args, model_dir, data, root / "out-hf", resid)
         print(f"    {b['wall']:.1f} s", flush=True)
-        print("(c) harvest forward only ...", flush=True)
+        print("(c) forward only, harvest and HF interleaved ...", flush=True)
         c = run_forward(args, model_dir, data)
-        print(f"    {c['seconds'] + c['compile']:.1f} s", flush=True)
+        print(f"    {c['harvest']['seconds'] + c['hf']['seconds'] + c['compile']:.1f} s", flush=True)
         diff = compare_sample(root / "out-harvest", root / "out-hf", [x for x in resid if x < args.layers - 1])
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    load_after = os.getloadavg()[0]
 
-    def rate(tokens, seconds):
-        return tokens / seconds
-
-    def ratio(x, y):
-        return f"{x / y:.2f}x"
-
-    hf_e2e, hf_pipe = rate(b["tokens"], b["wall"]), rate(b["tokens"], b["pipeline"])
-    hf_fwd = rate(b["tokens"], b["stages"]["model(...)"])
-    h_e2e, h_pipe = rate(a["tokens"], a["wall"]), rate(a["tokens"], a["pipeline"])
-    h_steady, h_fwd = rate(a["steady_tokens"], a["steady"]), rate(c["tokens"], c["seconds"])
     pct = "{:.1%}".format
+
+    def row(pipeline, what, seconds, cpu, tokens, padding=None, vs=None):
+        """vs: the HF (seconds, tokens) this row's tokens/s is compared with."""
+        cells = [pipeline, what, f"{seconds:.1f}", f"{cpu:.1f}" if cpu is not None else ""]
+        if tokens is None:
+            return cells + ["", "", "", ""]
+        ratio = f"{(tokens / seconds) / (vs[1] / vs[0]):.2f}x" if vs else ""
+        return cells + [f"{tokens:,}", f"{tokens / seconds:,.0f}", pct(padding) if padding is not None else "", ratio]
+
+    hc, fc = c["harvest"], c["hf"]
+    hf_all, hf_run = (b["wall"], b["tokens"]), (b["pipeline"], b["tokens"])
     rows = [
-        ["(a) harvest", "end to end, incl. model load + compile", f"{a['wall']:.1f}", f"{a['tokens']:,}",
-         f"{h_e2e:,.0f}", pct(a["padding"]), ratio(h_e2e, hf_e2e)],
-        ["(a) harvest", "summary: pipeline, incl. compile", f"{a['pipeline']:.1f}", f"{a['tokens']:,}",
-         f"{h_pipe:,.0f}", "", ratio(h_pipe, hf_pipe)],
-        ["(a) harvest", "steady state: after 1st forward returned", f"{a['steady']:.1f}", f"{a['steady_tokens']:,}",
-         f"{h_steady:,.0f}", "", ratio(h_steady, hf_pipe)],
-        ["(b) HF", "end to end, incl. model load", f"{b['wall']:.1f}", f"{b['tokens']:,}", f"{hf_e2e:,.0f}",
-         pct(b["padding"]), ""],
-        ["(b) HF", "after model load", f"{b['pipeline']:.1f}", f"{b['tokens']:,}", f"{hf_pipe:,.0f}", "", ""],
-        *[["(b) HF", f"  stage: {name}", f"{s:.1f}", "", "", "", ""] for name, s in b["stages"].items()],
-        ["(c) harvest", "forward only, packed rows, no I/O", f"{c['seconds']:.1f}", f"{c['tokens']:,}",
-         f"{h_fwd:,.0f}", pct(c["padding"]), ratio(h_fwd, hf_fwd)],
-        ["(c) harvest", "  jit compile (first call)", f"{c['compile']:.1f}", "", "", "", ""],
-        ["(c) HF", "model(...) of (b), padded batches", f"{b['stages']['model(...)']:.1f}", f"{b['tokens']:,}",
-         f"{hf_fwd:,.0f}", pct(b["padding"]), ""],
-        ["(d) padding", "harvest (summary) vs HF", "", "", "", f"{pct(a['padding'])} vs {pct(b['padding'])}", ""],
+        row("(a) harvest", "end to end, incl. model load + compile", a["wall"], a["cpu"], a["tokens"],
+            a["padding"], hf_all),
+        row("(a) harvest", "summary's time: pipeline incl. compile", a["pipeline"], None, a["tokens"], None, hf_run),
+        row("(a) harvest", "steady: after the 1st forward returned", a["steady"], None, a["steady_tokens"], None,
+            hf_run),
+        *[["(a) harvest", f"  CPU: {name}", "", f"{cpu:.1f}", "", "", "", ""]
+          for name, cpu in a["threads"].items() if cpu >= 0.05],
+        row("(b) HF", "end to end, incl. model load", b["wall"], b["cpu"], b["tokens"], b["padding"]),
+        row("(b) HF", "after model load", b["pipeline"], None, b["tokens"]),
+        *[row("(b) HF", f"  stage: {name}", sec, None, None) for name, sec in b["stages"].items()],
+        row("(c) harvest", "forward only: packed rows, no I/O", hc["seconds"], hc["cpu"], hc["tokens"],
+            hc["padding"], (fc["seconds"], fc["tokens"])),
+        row("(c) harvest", "  jit compile (first call, not above)", c["compile"], None, None),
+        row("(c) HF", "forward only: model(...) on (b)'s batches", fc["seconds"], fc["cpu"], fc["tokens"],
+            fc["padding"]),
+        ["(d) padding", "share of computed token slots", "", "", "", "",
+         f"{pct(a['padding'])} / {pct(b['padding'])}", "harvest / HF"],
     ]
-    same = "same" if a["tokens"] == b["tokens"] == c["tokens"] else "DIFFERENT"
+    same = "same" if a["tokens"] == b["tokens"] == hc["tokens"] == fc["tokens"] else "DIFFERENT"
     footer = (
         f"Qwen2, random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} kv, vocab {args.vocab} (byte tokenizer: 1 token per character); fp32 "
@@ -318,17 +418,19 @@ def main() -> None:
         f"(median {args.median:g}, sigma {args.sigma:g}) clipped to {args.min_len}..{args.max_len}, truncated at "
         f"{args.max_seq_len}. harvest: {args.batch_size} packed rows x {args.max_seq_len} per forward "
         f"({a['batches']} forwards), shard size {args.shard_size}; HF: {args.hf_batch_size} samples per forward "
-        f"padded to the longest, file order ({b['batches']} forwards), {args.attn} attention, "
+        f"padded to the longest, in file order ({b['batches']} forwards), {args.attn} attention, "
         f"AutoModelForCausalLM (LM head included). Real tokens: {same} in (a), (b), (c). "
-        f"harvest/HF: tokens/s ratio (>1 = harvest faster); the steady-state row is compared with HF after load. "
-        f"Sample 0, max |harvest - HF| (bf16, resid_post below layer {args.layers - 1}): {diff:.3g}.\n"
+        f"tokens/s counts real tokens; harvest/HF is the ratio of tokens/s with the HF row below it "
+        f"(>1: harvest faster; the summary and steady rows are compared with HF after load). CPU s: process "
+        f"CPU time (all threads; (a) also per thread), less sensitive than wall time to other work on the "
+        f"machine. Sample 0, max |harvest - HF| (bf16, resid_post below layer {args.layers - 1}): {diff:.3g}.\n"
         f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} cores; "
-        f"load average {load:.1f} before the run"
+        f"load average {load:.1f} before the run, {load_after:.1f} after (other work inflates wall times)"
     )
     if not sys.stdout.isatty():  # rich would wrap the table at 100 columns (forward.show's minimum)
-        os.environ.setdefault("COLUMNS", "132")
-    header = ["pipeline", "what", "seconds", "real tokens", "tokens/s", "padding", "harvest/HF"]
+        os.environ.setdefault("COLUMNS", "140")
+    header = ["pipeline", "what", "seconds", "CPU s", "real tokens", "tokens/s", "padding", "harvest/HF"]
     show("harvest extraction vs HF transformers (CPU)", header, rows, footer)
 
 

@@ -65,6 +65,21 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
+    """Masked attention (GQA). On CPU, XLA builds the whole [seq, seq] score matrix, upper triangle included:
+    query blocks that see only the keys up to their own end save 10-25% of a long row's forward (at most 16
+    blocks, so compile time stays bounded). Elsewhere the backend's fused kernel gets the whole thing."""
+    seq = q.shape[1]
+    if jax.default_backend() != "cpu" or seq <= 256:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+    block = max(128, -(-seq // 16))
+    return jnp.concatenate([
+        jax.nn.dot_product_attention(q[:, a : a + block], k[:, : a + block], v[:, : a + block],
+                                     mask=mask[:, :, a : a + block, : a + block], scale=scale)
+        for a in range(0, seq, block)
+    ], axis=1)
+
+
 def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: str) -> jax.Array:
     y = jnp.einsum(spec, x, w)
     return y if b is None else y + b
@@ -80,7 +95,7 @@ def _layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, mask) -> dict[s
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=cfg.head_dim**-0.5)
+    attn = attention(q, k, v, mask, cfg.head_dim**-0.5)
     attn_out = _proj(attn, lp["o_proj"], lp.get("o_bias"), "bshk,hkd->bsd")
     resid_mid = h + attn_out
     x = rms_norm(resid_mid, lp["mlp_norm"], cfg.rms_norm_eps)
