@@ -108,8 +108,8 @@ def _verify(args: argparse.Namespace) -> int:
     for url in args.urls:
         result = verify(url)
         for problem in result.problems:
-            print(f"{url}: {problem}")
-        print(f"{url}: {result.summary}")
+            print(problem)
+        print(result.summary)
         failed |= not result.ok
     return 1 if failed else 0
 

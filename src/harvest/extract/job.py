@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import socket
 import queue
 import threading
@@ -35,7 +36,7 @@ from harvest.model.weights import resolve_checkpoint
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
-from harvest.store.commit import Leases, resume_point
+from harvest.store.commit import LEASE, Leases, resume_point
 from harvest.store.fs import Storage
 from harvest.store.writer import Committer, ShardWriter
 
@@ -71,14 +72,18 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
 
     fed, owned = _slot_plan(mesh, chosen)
     mine = sorted(s for k in owned for s in fed[k])
-    if cfg.overwrite:
-        _wipe(out, mine, run_json=jax.process_index() == 0)
-        distributed.barrier("harvest-overwrite")
-    _check_run(out, run_info)
+    if not cfg.overwrite:
+        _check_run(out, run_info)  # before the leases: a refused command leaves no trace
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker)
-    leases.acquire(mine)
+    leases.acquire(mine)  # --overwrite included: never delete streams that another worker holds
     try:
+        if cfg.overwrite:
+            distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
+            _wipe(out, mine, run_json=jax.process_index() == 0)
+            distributed.barrier("harvest-overwrite")
+        for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
+            out.remove_stale_temps(fmt.stream_dir(stream))
         if jax.process_index() == 0 and not out.exists("run.json"):
             out.write_json("run.json", run_info)
         return _extract(cfg, decoder, tokenizer, data, fed, mine, out, leases, run_info)
@@ -134,17 +139,26 @@ def _run_info(cfg: ExtractConfig, decoder: Decoder, checkpoint: Path, data, comp
         "max_seq_len": cfg.max_seq_len,
         "long": cfg.long,
         "format": cfg.format,
-        "data": {"source": cfg.data, "num_streams": data.num_streams, "counts": counts, "mapping": "round_robin"},
+        "data": {"source": _data_url(cfg.data), "num_streams": data.num_streams, "counts": counts,
+                 "mapping": "round_robin", "sha256": getattr(data, "sha256", None)},
         "config": cfg.to_dict(),
     }
     info["config_sha256"] = stable_hash(_agreed(info))
     return info
 
 
+def _data_url(spec: str) -> str:
+    """A local path made absolute: the same files named from another working directory are the same data."""
+    return spec if "://" in spec else os.path.abspath(spec)
+
+
 def _agreed(info: dict[str, Any]) -> dict[str, Any]:
     """What two commands writing into one run must agree on (not flags like --batch-size or --streams)."""
     settings = {k: info["config"][k] for k in ExtractConfig.OUTPUT_FIELDS}
-    return {"model": info["model"]["config_sha256"], "tokenizer": info["tokenizer_sha256"], "data": info["data"],
+    data = dict(info["data"])
+    if data.get("sha256"):  # streams: their content (streams.json's sha256 per file) decides, not their URL
+        data.pop("source", None)
+    return {"model": info["model"]["config_sha256"], "tokenizer": info["tokenizer_sha256"], "data": data,
             "tensors": info["tensors"], "compute_dtype": info["compute_dtype"], **settings}
 
 
@@ -163,7 +177,8 @@ def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
     for stream in streams_to_wipe:
         directory = fmt.stream_dir(stream)
         for name in out.listdir(directory):
-            out.delete(f"{directory}/{name}")
+            if name != LEASE:  # ours: --overwrite runs under the lease
+                out.delete(f"{directory}/{name}")
     if run_json:
         out.delete("run.json")
 

@@ -609,6 +609,29 @@ class Storage:
         # s3:// PUT or multipart upload (If-None-Match: * with mode="create").
         fs.pipe_file(path, payload, mode="create" if create else "overwrite")
 
+    def remove_stale_temps(self, rel: str = "") -> list[str]:
+        """Delete the temp files that writes cut short (a killed process) left directly under `rel`.
+
+        Local storage only: an object-store write is one atomic PUT and leaves nothing behind. Call it only on
+        a directory no other live process writes into (a stream directory under this worker's lease); this
+        process's own writes in flight are spared. Returns the names removed.
+        """
+        if not self.is_local:
+            return []
+        path = self.path(rel)
+        ours = f"{_TMP_MARK}{os.getpid()}-"
+
+        def sweep() -> list[str]:
+            try:
+                names = [n for n in os.listdir(path) if _TMP_MARK in n and ours not in n]
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            for name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(path, name))
+            return names
+        return self._retry("delete", rel, sweep)
+
     def delete(self, rel: str) -> None:
         """Delete the file `rel`; a missing file is fine."""
         path = self.path(rel)
