@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except UserError as e:
         print(f"harvest: error: {e}", file=sys.stderr)
+        if "jax" in sys.modules:  # a multi-host run: the others may be gone, skip JAX's shutdown barrier
+            from harvest.runtime.distributed import exit_now
+
+            exit_now(2)
         return 2
     except KeyboardInterrupt:
         print("harvest: interrupted; committed shards are kept, rerun the same command to resume", file=sys.stderr)

@@ -221,7 +221,7 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]]
     host = _Stage(lambda: _to_shards(captured, decoder, writers, committer, progress), failure)
     start = time.monotonic()
     local_done = False
-    with progress.display():
+    with progress.display(), distributed.peers_watched():
         while True:
             batch = None if local_done else _get(batches, failure)
             local_done = batch is None
@@ -240,7 +240,8 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]]
         committer.close()
     for stream in writers:
         leases.release(stream)
-    distributed.barrier("harvest-extract-done")
+    with distributed.peers_watched():
+        distributed.barrier("harvest-extract-done")
     return summarize(out, mine, elapsed=time.monotonic() - start, progress=progress)
 
 

@@ -9,10 +9,12 @@ instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import sys
 from typing import Mapping
 
 import jax
@@ -161,6 +163,32 @@ def _coordinator() -> str | None:
 
 class DisagreementError(UserError):
     pass
+
+
+class PeerLost(UserError):
+    """Another process of the run died (preemption, OOM, kill): this one stops too, in bounded time."""
+
+
+@contextlib.contextmanager
+def peers_watched():
+    """Turn a collective that fails because a peer is gone into one clear line instead of a JAX traceback."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise PeerLost(f"process {jax.process_index()}: another process of this run stopped ({first}); "
+                       "committed shards are kept: start every process again with the same command to resume"
+                       ) from None
+
+
+def exit_now(code: int) -> None:
+    """Leave without JAX's shutdown barrier, which aborts the process when a peer is already gone."""
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _allgather_bytes(data: bytes) -> list[bytes]:
