@@ -11,21 +11,25 @@ max_seq_len (longer records truncated by both), same storage dtype (bf16). Print
       max_length=max_seq_len) per batch of --hf-batch-size samples in file order, fp32 model(...,
       output_hidden_states=True) under no_grad, hidden_states[layer + 1] for each point, padding dropped,
       cast to bf16, safetensors.torch.save_file per batch (with input_ids and lengths, as harvest stores).
-  (c) forward only: harvest's Decoder on the packed rows harvest builds (data.batching), no I/O,
-      compile excluded; next to it the time (b) spent inside model(...) on its padded batches.
+  (c) forward only, no I/O, compile excluded, on the first --forward-records records (default: half):
+      harvest's Decoder on the packed rows harvest builds (data.batching) and HF's model(...) on (b)'s
+      padded batches, calls interleaved so that both see the same background load.
   (d) padding: fraction of the token slots computed that are padding, for each.
 
-All tokens/s count real (non-padding) tokens; both pipelines see the same token count (checked). The
-caption also compares a stored harvest sample with HF's values for it (bf16, layers before the last:
-HF's last hidden state has the final norm applied, so it is not resid_post of the last layer).
+All tokens/s count real (non-padding) tokens; both pipelines see the same token count (checked). CPU
+seconds (process CPU time; for (a) also per thread, sampled from /proc) show where harvest's time goes and
+vary less than wall times when other work shares the machine. The caption also compares a stored
+harvest sample with HF's values for it (bf16, layers before the last: HF's last hidden state has the
+final norm applied, so it is not resid_post of the last layer).
 
-Run:  .venv/bin/python bench/extract.py            (defaults take ~3-4 minutes on 2 CPU cores)
+Run:  .venv/bin/python bench/extract.py            (defaults: ~3-4 minutes on 2 idle CPU cores)
       .venv/bin/python bench/extract.py --records 200 --layers 2   (a quick smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -37,32 +41,31 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forward import hf_config, show  # noqa: E402  (the colleague's model config and table printer)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/forward.py: its model config, table printer
+import jax
+import torch
+import transformers
+from forward import hf_config, show
 
-import jax  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from harvest.config import ExtractConfig  # noqa: E402
-from harvest.data import prompts, streams  # noqa: E402
-from harvest.data.batching import pack_stream, stream_pieces  # noqa: E402
-from harvest.demo import demo_checkpoint  # noqa: E402
-from harvest.extract import job  # noqa: E402
-from harvest.model import load_decoder, parse_points  # noqa: E402
-from harvest.runtime.mesh import make_mesh  # noqa: E402
+from harvest.config import ExtractConfig
+from harvest.data import prompts, streams
+from harvest.data.batching import pack_stream, stream_pieces
+from harvest.demo import demo_checkpoint
+from harvest.extract import job
+from harvest.model import load_decoder, parse_points
+from harvest.runtime.mesh import make_mesh
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be or had it not "
          "were have but their one all also first new two has they more time after its been who other into "
          "would world between during under such most years over some city state university government "
-         "national history people school system season several although including company number music").split()
+         "national history people school system season several although including company number music")
 
 
 class ThreadCpu:
     """CPU seconds per thread while running, read from /proc/self/task every `every` s (threads that end
     keep their last reading), grouped by what the thread does; `label(thread)` names Python threads."""
 
-    def __init__(self, label, every: float = 0.2):
+    def __init__(self, label, every: float = 0.5):
         self.label, self.every = label, every
         self.base: dict[int, float] = {}
         self.last: dict[int, tuple[str, float]] = {}
@@ -82,7 +85,7 @@ class ThreadCpu:
                 continue
             fields = stat.rsplit(")", 1)[1].split()
             name = self.names.get(int(tid)) or ("XLA compute (Eigen pool)" if comm.startswith("tf_") else
-                                                "other native threads")
+                                                "other native (XLA runtime, tokenizer)")
             out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
         return out
 
@@ -127,7 +130,7 @@ def harvest_thread(t: threading.Thread) -> str:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("data")
-    d.add_argument("--records", type=int, default=600, help="jsonl records (default 600)")
+    d.add_argument("--records", type=int, default=400, help="jsonl records (default 400)")
     d.add_argument("--median", type=float, default=300, help="median record length in tokens (default 300)")
     d.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (default 1.0)")
     d.add_argument("--min-len", type=int, default=50, help="shortest record, tokens (default 50)")
@@ -137,6 +140,8 @@ def parse_args() -> argparse.Namespace:
     r.add_argument("--batch-size", type=int, default=8, help="harvest packed rows per forward (default 8)")
     r.add_argument("--hf-batch-size", type=int, default=None, help="HF samples per forward (default: --batch-size)")
     r.add_argument("--points", default=None, help="capture points (default resid_post at every layer)")
+    r.add_argument("--forward-records", type=int, default=None,
+                   help="records of the forward-only comparison (c) (default: half of --records)")
     r.add_argument("--shard-size", default="128MB", help="harvest shard size (default 128MB)")
     r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
@@ -150,6 +155,7 @@ def parse_args() -> argparse.Namespace:
     m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
     args = p.parse_args()
     args.hf_batch_size = args.hf_batch_size or args.batch_size
+    args.forward_records = min(args.forward_records or max(args.records // 2, 1), args.records)
     args.points = args.points or f"resid_post:0-{args.layers - 1}"
     args.shapes = [(args.batch_size, args.max_seq_len)]  # for forward.hf_config's max_position_embeddings
     if args.vocab < 259:
@@ -180,7 +186,7 @@ def write_data(args: argparse.Namespace, root: Path) -> tuple[Path, np.ndarray]:
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(args.median), args.sigma, args.records), args.min_len, args.max_len)
     lengths = lengths.astype(int)
-    words = rng.choice(WORDS, size=int(lengths.sum()) // 3 + 100)
+    words = rng.choice(WORDS.split(), size=int(lengths.sum()) // 3 + 100)
     text = " ".join(words)
     path = root / "data.jsonl"
     with path.open("w") as f:
@@ -278,10 +284,12 @@ def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int]) -> d
 # --- (c) forward only, interleaved ------------------------------------------------------------------------
 
 def run_forward(args, model_dir: Path, data: Path) -> dict:
-    """harvest's Decoder on the packed rows harvest builds (data.batching) and HF's model(...) on the padded
-    batches of (b), no I/O, interleaved so that both see the same background load; compile timed apart."""
+    """On the first --forward-records records: harvest's Decoder on the packed rows harvest builds
+    (data.batching) and HF's model(...) on (b)'s padded batches, no I/O, interleaved so that both see the
+    same background load; compile timed apart."""
     tokenizer = prompts.load_tokenizer(model_dir)
-    events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
+    records = itertools.islice(streams.open_data(str(data)).records(0), args.forward_records)
+    events = stream_pieces(records, prompts.make_renderer("text", tokenizer),
                            prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=args.max_seq_len,
                            long="truncate", strict=False, sample_error=prompts.SampleError)
     rows = list(pack_stream(events, args.max_seq_len))
@@ -293,7 +301,7 @@ def run_forward(args, model_dir: Path, data: Path) -> dict:
             tokens[i], segments[i] = row.tokens, row.segments
         packed.append((tokens, segments))
     with data.open() as f:
-        texts = [json.loads(line)["text"] for line in f]
+        texts = [json.loads(line)["text"] for line in itertools.islice(f, args.forward_records)]
     padded = [tokenizer(texts[at : at + args.hf_batch_size], padding="longest", truncation=True,
                         max_length=args.max_seq_len, return_tensors="pt")
               for at in range(0, len(texts), args.hf_batch_size)]
@@ -337,8 +345,9 @@ def run_forward(args, model_dir: Path, data: Path) -> dict:
 
 def compare_sample(harvest_out: Path, hf_out: Path, layers: list[int], sample_id: int = 0) -> float:
     """Max |harvest - HF| (as float32 of the bf16 values) over one sample, layers before the model's last."""
-    import harvest
     from safetensors.numpy import load_file
+
+    import harvest
 
     got = harvest.open(str(harvest_out)).sample(sample_id).activations
     ref = load_file(str(hf_out / "batch_000000.safetensors"))  # bf16 arrays via ml_dtypes
@@ -410,7 +419,7 @@ def main() -> None:
         ["(d) padding", "share of computed token slots", "", "", "", "",
          f"{pct(a['padding'])} / {pct(b['padding'])}", "harvest / HF"],
     ]
-    same = "same" if a["tokens"] == b["tokens"] == hc["tokens"] == fc["tokens"] else "DIFFERENT"
+    same = "same" if a["tokens"] == b["tokens"] and hc["tokens"] == fc["tokens"] else "DIFFERENT"
     footer = (
         f"Qwen2, random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} kv, vocab {args.vocab} (byte tokenizer: 1 token per character); fp32 "
@@ -419,7 +428,8 @@ def main() -> None:
         f"{args.max_seq_len}. harvest: {args.batch_size} packed rows x {args.max_seq_len} per forward "
         f"({a['batches']} forwards), shard size {args.shard_size}; HF: {args.hf_batch_size} samples per forward "
         f"padded to the longest, in file order ({b['batches']} forwards), {args.attn} attention, "
-        f"AutoModelForCausalLM (LM head included). Real tokens: {same} in (a), (b), (c). "
+        f"AutoModelForCausalLM (LM head included). (c) covers the first {args.forward_records} records. Real "
+        f"tokens: {same} in (a) and (b), and in (c). "
         f"tokens/s counts real tokens; harvest/HF is the ratio of tokens/s with the HF row below it "
         f"(>1: harvest faster; the summary and steady rows are compared with HF after load). CPU s: process "
         f"CPU time (all threads; (a) also per thread), less sensitive than wall time to other work on the "

@@ -182,16 +182,16 @@ def run_workers(out: Path, ckpts: dict[str, Path], timeout_s: float = 180) -> No
 
 @pytest.mark.slow
 def test_two_processes_match_the_unsharded_forward(tmp_path):
+    import hf_reference
     import jax
     import jax.numpy as jnp
+    from multihost_worker import batch
     from safetensors.numpy import load_file
 
-    import hf_reference
     from harvest.model.config import ModelConfig
     from harvest.model.points import POINTS, CapturePlan
     from harvest.model.transformer import forward
     from harvest.model.weights import load_params
-    from multihost_worker import batch
 
     ckpts = {name: hf_reference.build_checkpoint(name, tmp_path / name, **kw) for name, kw in CHECKPOINTS.items()}
     out = tmp_path / "out"

@@ -3,11 +3,11 @@
 import json
 import shutil
 
+import hf_reference as ref
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import hf_reference as ref
 from harvest.errors import UserError
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points

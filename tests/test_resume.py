@@ -18,7 +18,6 @@ import types
 from pathlib import Path
 
 import pytest
-
 from extract_helpers import (
     count_sidecars,
     data_files,

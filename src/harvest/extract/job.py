@@ -15,8 +15,8 @@ import dataclasses
 import hashlib
 import logging
 import os
-import socket
 import queue
+import socket
 import threading
 import time
 from importlib.metadata import version

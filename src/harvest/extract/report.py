@@ -76,42 +76,42 @@ class Progress:
     @contextlib.contextmanager
     def display(self):
         """A rich progress bar on a terminal; plain log lines every LOG_EVERY_S otherwise."""
-        if sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress as Bar, TextColumn, TimeRemainingColumn
-
-            known = all(t is not None for t in self.totals.values())
-            total = sum(t for t in self.totals.values() if t is not None) if known else None
-            with Bar(TextColumn("extract"), BarColumn(), TextColumn("{task.description}"),
-                     TimeRemainingColumn(), transient=False) as bar:
-                task = bar.add_task(self.line(), total=total, completed=sum(self.records.values()))
-                stop = threading.Event()
-
-                def refresh():
-                    while not stop.wait(0.5):
-                        bar.update(task, completed=sum(self.records.values()), description=self.line())
-
-                thread = threading.Thread(target=refresh, daemon=True)
-                thread.start()
-                try:
-                    yield
-                finally:
-                    stop.set()
-                    thread.join()
-                    bar.update(task, completed=sum(self.records.values()), description=self.line())
-        else:
-            stop = threading.Event()
-
-            def report():
-                while not stop.wait(LOG_EVERY_S):
-                    log.info(self.line())
-
-            thread = threading.Thread(target=report, daemon=True)
-            thread.start()
-            try:
+        if not sys.stderr.isatty():
+            with _every(LOG_EVERY_S, lambda: log.info(self.line())):
                 yield
-            finally:
-                stop.set()
-                thread.join()
+            return
+        from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+
+        known = all(t is not None for t in self.totals.values())
+        total = sum(t for t in self.totals.values() if t is not None) if known else None
+        with Bar(TextColumn("extract"), BarColumn(), TextColumn("{task.description}"), TimeRemainingColumn()) as bar:
+            task = bar.add_task(self.line(), total=total, completed=sum(self.records.values()))
+
+            def refresh():
+                bar.update(task, completed=sum(self.records.values()), description=self.line())
+
+            with _every(0.5, refresh):
+                yield
+            refresh()
+
+
+@contextlib.contextmanager
+def _every(seconds: float, tick):
+    """Call `tick` every `seconds` on a thread while the block runs."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(seconds):
+            tick()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Progress) -> dict[str, Any]:

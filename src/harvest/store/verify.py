@@ -43,6 +43,7 @@ from harvest.store.reader import (
     list_stream_dirs,
     position,
 )
+from harvest.store.report import human_bytes
 
 STREAM_FILES = {"progress.json", "lease.json"}  # allowed in a stream directory besides shards and sidecars
 _SIDECAR_KEYS = {"stream": int, "shard": int, "bytes": int, "sha256": str, "start": list, "next": list,
@@ -70,7 +71,7 @@ class Report:
     @property
     def summary(self) -> str:
         what = (f"{self.streams} streams, {self.records:,} records, {self.shards} shards, {self.samples:,} samples, "
-                f"{self.tokens:,} tokens, {_human_bytes(self.bytes)}, {self.skipped} skipped")
+                f"{self.tokens:,} tokens, {human_bytes(self.bytes)}, {self.skipped} skipped")
         if self.ok:
             return f"OK {self.url}: {what}"
         return f"FAILED {self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)} ({what})"
@@ -80,14 +81,6 @@ class Report:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 @dataclasses.dataclass
