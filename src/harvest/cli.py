@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="harvest: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="harvest: %(message)s")  # libraries: warnings only
+    logging.getLogger("harvest").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         return args.run(args)
     except UserError as e:

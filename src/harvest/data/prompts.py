@@ -125,12 +125,17 @@ def load_tokenizer(checkpoint) -> Any:
     path = Path(checkpoint)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise UserError(f"--model {path}: no tokenizer files (tokenizer.json) in the checkpoint directory")
-    from transformers import AutoTokenizer
+    import os
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found" is no news to harvest
+    import transformers
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many kinds; all mean an unusable tokenizer
         raise UserError(f"--model {path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    tokenizer.model_max_length = 2**62  # lengths are --max-seq-len's business, not a warning's
+    return tokenizer
 
 
 def encoder(tokenizer: Any, fmt: str) -> Callable[[list[str]], list[list[int]]]:
