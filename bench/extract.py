@@ -162,6 +162,8 @@ def parse_args() -> argparse.Namespace:
     args.forward_records = min(args.forward_records or max(args.records // 2, 1), args.records)
     args.points = args.points or f"resid_post:0-{args.layers - 1}"
     args.shapes = [(args.batch_size, args.max_seq_len)]  # for forward.hf_config's max_position_embeddings
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.vocab < 259:
         p.error("--vocab must be >= 259 (256 bytes + 3 specials of the byte-level tokenizer)")
     return args
