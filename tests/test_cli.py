@@ -33,6 +33,8 @@ def test_demo_checkpoint_is_the_same_bytes_every_time(tmp_path):
 
 
 def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "hello"}\n')
     for args, expected in (
         (("demo", "--tasks", "2", "--points", "resid_post:7"), "layer 7 does not exist; the model has layers 0-3"),
         (("extract", "--model", str(tmp_path), "--data", "x.jsonl"), "missing --out"),
@@ -40,6 +42,8 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
          "--format 'csv': choose one of text, chat, arc"),
         (("extract", "--model", "/no/model", "--data", "x.jsonl", "--out", str(tmp_path / "o")),
          "--model /no/model: no such directory"),
+        (("streams", "create", "--data", str(data), "--num-streams", "2", "--out", str(data / "sub")),
+         "cannot create the directory (Not a directory)"),
     ):
         result = harvest(*args, tmp_path=tmp_path)
         assert result.returncode == 2

@@ -76,8 +76,10 @@ def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path):
     rows[5] = {"text": ""}                      # empty text
     rows[7] = {"body": "no text field"}         # missing field
     data = write_jsonl(tmp_path / "data.jsonl", rows)
+    with open(data, "ab") as f:  # record 14: not UTF-8
+        f.write(b'{"text": "caf\xe9"}\n')
     summary = extract(model_dir, data, tmp_path / "out", long="truncate")
-    assert summary["skipped"] == 3
+    assert summary["skipped"] == 4
     assert verify(str(tmp_path / "out")).ok
 
     samples = stored_samples(tmp_path / "out")
@@ -94,6 +96,7 @@ def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path):
     reasons = {s["sample_id"]: (s["location"], s["reason"]) for s in skipped}
     assert reasons[3][0].endswith("data.jsonl:4") and "malformed JSON" in reasons[3][1]
     assert reasons[5][1] == "empty text"
+    assert reasons[14][0].endswith("data.jsonl:15") and "not valid UTF-8" in reasons[14][1]
     assert "text" in reasons[7][1]
 
 

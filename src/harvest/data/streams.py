@@ -27,7 +27,6 @@ import decimal
 import hashlib
 import itertools
 import json
-import os
 import re
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -35,6 +34,7 @@ from typing import Any, Protocol
 from harvest.data import sources
 from harvest.data.sources import Record
 from harvest.errors import UserError
+from harvest.store.fs import Storage
 
 STREAMS_FILE = "streams.json"
 FORMAT_VERSION = 1
@@ -67,35 +67,38 @@ def _open_write(url: str):
     return fsspec.open(url, "wb").open()
 
 
+def _in(url: str) -> tuple[Storage, str]:
+    """The Storage of `url`'s directory and its name there: retries, atomic writes, one-line errors."""
+    directory, _, name = url.rstrip("/").rpartition("/")
+    return Storage(directory or "."), name
+
+
 def _write_bytes(url: str, data: bytes) -> None:
-    if "://" not in url:  # local: atomic via rename
-        tmp = f"{url}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, url)
-        return
-    with _open_write(url) as f:
-        f.write(data)
+    store, name = _in(url)
+    store.write_bytes(name, data)
 
 
 def _read_bytes(url: str) -> bytes | None:
-    fs, path = _fs(url)
+    store, name = _in(url)
     try:
-        return fs.cat_file(path)
+        return store.read_bytes(name)
     except FileNotFoundError:
         return None
 
 
 def _exists(url: str) -> bool:
-    fs, path = _fs(url)
-    return fs.exists(path)
+    store, name = _in(url)
+    return store.exists(name)
 
 
 def _prepare_dir(url: str) -> list[str]:
     """Create the output directory if local; the names of the stream files already in it."""
     fs, path = _fs(url)
     if "://" not in url or url.startswith("file://"):
-        fs.makedirs(path, exist_ok=True)
+        try:
+            fs.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out {url}: cannot create the directory ({e.strerror or e})") from None
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
     except FileNotFoundError:
@@ -104,8 +107,8 @@ def _prepare_dir(url: str) -> list[str]:
 
 
 def _remove(url: str) -> None:
-    fs, path = _fs(url)
-    fs.rm_file(path)
+    store, name = _in(url)
+    store.delete(name)
 
 
 # --- writing -----------------------------------------------------------------------------------------------
