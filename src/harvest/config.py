@@ -117,6 +117,19 @@ def parse_ranges(text: str, flag: str) -> list[int]:
     return sorted(chosen)
 
 
+def format_ranges(values, sep: str = ",", limit: int | None = None) -> str:
+    """The inverse of parse_ranges: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8' (at most `limit` runs, then a count)."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    shown = runs if limit is None else runs[:limit]
+    text = sep.join(str(a) if a == b else f"{a}-{b}" for a, b in shown)
+    return text + (f"{sep}... ({len(runs) - len(shown)} more ranges)" if len(shown) < len(runs) else "")
+
+
 def load_yaml(path: str | None) -> dict[str, Any]:
     if not path:
         return {}

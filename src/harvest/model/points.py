@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from harvest.config import format_ranges
 from harvest.errors import UserError
 
 # In the order they arise inside a layer.
@@ -31,7 +32,7 @@ class CapturePlan:
         return [(point, layer) for point, layers in self.points for layer in layers]
 
     def spec(self) -> str:
-        return ",".join(f"{point}:{_compact(layers)}" for point, layers in self.points)
+        return ",".join(f"{point}:{format_ranges(layers)}" for point, layers in self.points)
 
 
 def parse_points(spec: str, num_layers: int) -> CapturePlan:
@@ -67,13 +68,3 @@ def _parse_layers(token: str, spec: str, num_layers: int) -> set[int]:
     if hi >= num_layers:
         raise PointsError(f"--points {spec!r}: layer {hi} does not exist; the model has layers 0-{num_layers - 1}")
     return set(range(lo, hi + 1))
-
-
-def _compact(layers: tuple[int, ...]) -> str:
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and layer == runs[-1][1] + 1:
-            runs[-1][1] = layer
-        else:
-            runs.append([layer, layer])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from harvest.config import format_ranges
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
@@ -230,7 +231,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     about.add_row("model", f"{model.get('source', '?')} ({model.get('model_type', '?')}, "
                            f"{model.get('num_layers', '?')} layers, d={model.get('hidden_size', '?')}, "
                            f"ffn={model.get('intermediate_size', '?')})")
-    points = ", ".join(f"{p}:{_ranges_text(layers)}" for p, layers in info.get("points") or [])
+    points = ", ".join(f"{p}:{format_ranges(layers)}" for p, layers in info.get("points") or [])
     about.add_row("points", points or ", ".join(run.tensors))
     about.add_row("dtype", f"{run.dtype} (computed in {info.get('compute_dtype', '?')})")
     about.add_row("input", f"{data.get('source', '?')}, format {info.get('format', '?')}, max_seq_len "
@@ -273,13 +274,3 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     else:
         out.append(Text("no committed sample yet", style="dim"))
     return out
-
-
-def _ranges_text(layers: list[int]) -> str:
-    runs: list[list[int]] = []
-    for v in layers:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

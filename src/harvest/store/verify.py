@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from harvest.config import format_ranges
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
@@ -112,7 +113,7 @@ class _Verifier:
         for d in list_stream_dirs(self.storage):
             if d not in streams:
                 self.problem(fmt.stream_dir(d) + "/",
-                             f"stream directory outside the run (run.json data covers streams {_ranges(streams)})")
+                             f"stream directory outside the run (run.json data covers streams {format_ranges(streams, sep=', ', limit=6)})")
         listing = {s: self.list_stream(s) for s in streams}
         jobs = [(s, k) for s in streams for k, _ in listing[s]]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
@@ -439,7 +440,7 @@ class _Verifier:
             for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
                 self.problem(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
                              f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
-                             f"and no skipped entry: records {_ranges(records)} (sample_ids "
+                             f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
                              f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")
 
 
@@ -449,18 +450,6 @@ def _group_by_shard(records: np.ndarray, starts: list[int], ks: list[int]) -> di
         j = max(0, int(np.searchsorted(starts, r, side="right")) - 1)
         out.setdefault(ks[j], []).append(r)
     return out
-
-
-def _ranges(values: Sequence[int], limit: int = 6) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:limit])
-    return text + (f", ... ({len(runs) - limit} more ranges)" if len(runs) > limit else "")
 
 
 def verify(url: str | Storage, *, workers: int = 4) -> Report:
