@@ -31,7 +31,7 @@ from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
 from harvest.errors import UserError
 from harvest.extract.report import Progress, summarize
-from harvest.model import Decoder, default_compute_dtype, load_decoder
+from harvest.model import CapturePlan, Decoder, ModelConfig, default_compute_dtype, load_decoder, parse_points
 from harvest.model.weights import resolve_checkpoint
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
@@ -61,12 +61,12 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     out = Storage(cfg.out)
     checkpoint = resolve_checkpoint(cfg.model)
-    tokenizer = prompts.load_tokenizer(checkpoint)
+    model = ModelConfig.from_dir(checkpoint)
+    plan = parse_points(cfg.points, model.num_layers)
     data = streams.open_data(cfg.data)
     chosen = _chosen_streams(cfg, data.num_streams)
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
-    decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
-    run_info = _run_info(cfg, decoder, checkpoint, data, compute_dtype)
+    run_info = _run_info(cfg, model, plan, checkpoint, data, compute_dtype)
     distributed.agree({**_agreed(run_info), "harvest_version": run_info["harvest_version"], "streams": chosen,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
 
@@ -86,6 +86,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             out.remove_stale_temps(fmt.stream_dir(stream))
         if jax.process_index() == 0 and not out.exists("run.json"):
             out.write_json("run.json", run_info)
+        # Loaded only now: a worker refused above (lease, run.json) spends nothing on weights and tokenizer.
+        tokenizer = prompts.load_tokenizer(checkpoint)
+        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
         return _extract(cfg, decoder, tokenizer, data, fed, mine, out, leases, run_info)
     finally:
         leases.release_all()
@@ -118,8 +121,8 @@ def _file_hash(paths: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _run_info(cfg: ExtractConfig, decoder: Decoder, checkpoint: Path, data, compute_dtype: str) -> dict[str, Any]:
-    m = decoder.cfg
+def _run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkpoint: Path, data,
+              compute_dtype: str) -> dict[str, Any]:
     counts = None if None in data.counts else list(data.counts)  # a plain source: length unknown
     if counts is not None and cfg.max_samples is not None:
         counts = [min(c, cfg.max_samples) for c in counts]
@@ -131,9 +134,9 @@ def _run_info(cfg: ExtractConfig, decoder: Decoder, checkpoint: Path, data, comp
                   "intermediate_size": m.intermediate_size},
         "tokenizer_sha256": _file_hash([checkpoint / n for n in ("tokenizer.json", "tokenizer_config.json",
                                                                  "chat_template.jinja")]),
-        "points": [[p, list(layers)] for p, layers in decoder.plan.points],
+        "points": [[p, list(layers)] for p, layers in plan.points],
         "tensors": {fmt.tensor_name(p, layer): (m.intermediate_size if p == "mlp_hidden" else m.hidden_size)
-                    for p, layer in decoder.plan.keys()},
+                    for p, layer in plan.keys()},
         "dtype": cfg.dtype,
         "compute_dtype": compute_dtype,
         "max_seq_len": cfg.max_seq_len,
