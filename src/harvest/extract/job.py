@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import logging
 import os
 import queue
 import socket
@@ -40,7 +39,6 @@ from harvest.store.commit import LEASE, Leases, resume_point
 from harvest.store.fs import Storage
 from harvest.store.writer import Committer, ShardWriter
 
-log = logging.getLogger(__name__)
 QUEUE_DEPTH = 2
 
 
