@@ -396,24 +396,24 @@ class FlakyProxy:
         self._thread.join(2)
 
 
-@pytest.fixture
-def gcs_proxy(gcs_server, monkeypatch):
-    proxy = FlakyProxy((HOST, gcs_server.port))
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+def _proxied(server, endpoint_variable: str, monkeypatch):
+    """A FlakyProxy in front of `server`, with the endpoint variable clients read pointing at it."""
+    proxy = FlakyProxy((HOST, server.port))
+    monkeypatch.setenv(endpoint_variable, proxy.endpoint)
     try:
         yield proxy
     finally:
         proxy.close()
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server, monkeypatch):
+    yield from _proxied(gcs_server, "STORAGE_EMULATOR_HOST", monkeypatch)
 
 
 @pytest.fixture
 def s3_proxy(s3_server, monkeypatch):
-    proxy = FlakyProxy((HOST, s3_server.port))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    try:
-        yield proxy
-    finally:
-        proxy.close()
+    yield from _proxied(s3_server, "AWS_ENDPOINT_URL", monkeypatch)
 
 
 @pytest.fixture
