@@ -1,5 +1,5 @@
 """The `harvest` command: parse flags, build the config, call the job. Errors a user can cause print as
-one line (exit 2), never a traceback."""
+one line (exit 2; 3 and 75 for a lost lease and a retryable failure, see harvest.errors), never a traceback."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ EXTRACT_HELP = {
     "num_processes": "multi-host: number of processes (else $JAX_PROCESS_COUNT)",
     "process_id": "multi-host: this process's index (else $JAX_PROCESS_INDEX)",
     "peer_timeout": "multi-host: seconds before a silent process counts as dead and the others exit (default: 60)",
+    "lease_ttl": "seconds without a heartbeat before a stream's lease counts as abandoned and another worker may "
+                 "take it; a worker that cannot refresh its lease for half of this stops writing (default: 300)",
 }
 
 
@@ -208,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if "jax" in sys.modules:  # a multi-host run: the others may be gone, skip JAX's shutdown barrier
             from harvest.runtime.distributed import exit_now
 
-            exit_now(2)
-        return 2
+            exit_now(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         print("harvest: interrupted; committed shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130

@@ -57,6 +57,7 @@ class ExtractConfig:
     num_processes: int | None = None
     process_id: int | None = None
     peer_timeout: int = 60  # seconds before a silent process counts as dead and the others stop
+    lease_ttl: int = 300  # seconds without a heartbeat before a stream's lease counts as abandoned
 
     # Settings that decide the bytes written: a resumed run must agree on all of them.
     OUTPUT_FIELDS = ("points", "format", "text_field", "max_seq_len", "long", "dtype", "shard_size", "seed",
@@ -81,7 +82,7 @@ class ExtractConfig:
         if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"--compute-dtype {self.compute_dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
         for name, value, low in (("--max-seq-len", self.max_seq_len, 2), ("--batch-size", self.batch_size, 1),
-                                 ("--arc-augment", self.arc_augment, 0)):
+                                 ("--arc-augment", self.arc_augment, 0), ("--lease-ttl", self.lease_ttl, 2)):
             if value < low:
                 raise ConfigError(f"{name} {value}: must be at least {low}")
         if self.max_samples is not None and self.max_samples < 1:

@@ -140,13 +140,16 @@ def _concat(blocks: list[np.ndarray], empty_shape: tuple[int, ...], dtype) -> np
 class Committer:
     """Background threads that encode and commit shards; stream s always goes to thread s % threads.
 
-    `on_commit(manifest)` runs after each commit (on the committing thread): progress bookkeeping.
+    `guard(stream)` runs before each write of a stream and raises when this worker may no longer write it
+    (its lease lost: see harvest.store.lease), so nothing lands after that moment. `on_commit(manifest)`
+    runs after each commit (on the committing thread): progress bookkeeping.
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[dict[str, Any]], None] | None = None, *,
-                 threads: int = 4, depth: int = 2):
+                 guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
         self.on_commit = on_commit or (lambda manifest: None)
+        self.guard = guard or (lambda stream: None)
         self.failure: BaseException | None = None
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
@@ -198,6 +201,8 @@ class Committer:
             stats=stats, skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
         )
         base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
+        self.guard(shard.stream)
         self.storage.write_bytes(base + ".safetensors", data)
+        self.guard(shard.stream)
         self.storage.write_json(base + ".json", manifest)  # the commit
         self.on_commit(manifest)

@@ -1,0 +1,107 @@
+"""The small records harvest keeps on storage, as typed dataclasses read and written here only.
+
+Each has `to_json()` (a plain dict) and `from_json(obj)`, which checks every field's type and raises
+ValueError naming the field: these files come from storage and are not trusted. `to_bytes`/`from_bytes`
+add the canonical JSON encoding (sorted keys, UTF-8), so equal records are equal bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound="Record")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+class Record:
+    """Base of the typed records: JSON in and out, with the fields' types checked on the way in."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls: type[R], obj: Any) -> R:
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected an object, got {type(obj).__name__}")
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if field.name not in obj:
+                if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                    raise ValueError(f"missing field {field.name!r}")
+                continue
+            values[field.name] = _checked(field.name, obj[field.name], hints[field.name])
+        return cls(**values)
+
+    def to_bytes(self) -> bytes:
+        return json_bytes(self.to_json())
+
+    @classmethod
+    def from_bytes(cls: type[R], data: bytes) -> R:
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        return cls.from_json(obj)
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """`value` if it has the type `hint` names (int, float, str, bool, list, dict, tuples of ints, unions
+    with None); ValueError otherwise. JSON lists stand for tuples."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        base = typing.get_origin(option) or option
+        if base is bool and isinstance(value, bool):
+            return value
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base in (str, dict) and isinstance(value, base):
+            return value
+        if base is list and isinstance(value, list):
+            return value
+        if base is tuple and isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                              for v in value):
+            return tuple(value)
+    raise ValueError(f"field {name!r}: expected {hint}, got {value!r:.80}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRecord(Record):
+    """`stream_NNNNN/lease.json`: who writes the stream, and the version that every rewrite swaps."""
+
+    worker: str
+    host: str
+    boot_id: str
+    pid: int
+    version: int
+    heartbeat_at: str  # ISO 8601, UTC
+    released: bool = False
+
+    def age_s(self) -> float:
+        try:
+            then = datetime.fromisoformat(self.heartbeat_at)
+        except ValueError:
+            return float("inf")  # unreadable time: as good as expired
+        if then.tzinfo is None:
+            then = then.replace(tzinfo=timezone.utc)
+        return (datetime.now(timezone.utc) - then).total_seconds()
+
+    def describe(self) -> str:
+        return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
