@@ -24,6 +24,12 @@ class StorageError(UserError):
         self.url = url
 
 
+class StorageUnreachable(StorageError):
+    """Transient failures outlasted the retries: rerunning later resumes (exit 75, like RetryLater)."""
+
+    exit_code = 75
+
+
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """The file (or the bucket) does not exist."""
 

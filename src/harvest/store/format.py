@@ -131,11 +131,22 @@ class RunningStats:
     mean: np.ndarray
     m2: np.ndarray
 
+    CHUNK_BYTES = 8 * 2**20  # float64 bytes converted at a time: memory stays flat whatever the shard size
+
     @classmethod
     def of(cls, values: np.ndarray) -> RunningStats:
-        x = np.asarray(values, np.float64)
-        mean = x.mean(axis=0) if len(x) else np.zeros(x.shape[1])
-        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0))
+        """Exact float64 stats of [n, d] values, converted a chunk of rows at a time.
+
+        Equal, bit for bit, to converting the whole tensor: numpy reduces over the rows of a C-contiguous
+        array one row after another, and each chunk continues that sum from the running total.
+        """
+        n, d = values.shape
+        if n == 0:
+            return cls(0, np.zeros(d), np.zeros(d))
+        rows = max(1, cls.CHUNK_BYTES // (8 * d))
+        total = _row_sum(values, rows, lambda chunk: chunk)
+        mean = total / n
+        return cls(n, mean, _row_sum(values, rows, lambda chunk: (chunk - mean) ** 2))
 
     def merge(self, other: RunningStats) -> RunningStats:
         n = self.count + other.count
@@ -156,6 +167,15 @@ class RunningStats:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RunningStats:
         return cls(int(obj["count"]), np.asarray(obj["mean"], np.float64), np.asarray(obj["m2"], np.float64))
+
+
+def _row_sum(values: np.ndarray, rows: int, f) -> np.ndarray:
+    """sum over rows of f(rows as float64), `rows` at a time, in the order a single reduction would add them."""
+    total = None
+    for start in range(0, len(values), rows):
+        chunk = f(np.asarray(values[start:start + rows], np.float64))
+        total = chunk.sum(axis=0) if total is None else np.add.reduce(np.vstack([total[None], chunk]), axis=0)
+    return total
 
 
 def sidecar(

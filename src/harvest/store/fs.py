@@ -201,8 +201,10 @@ class Storage:
             return StorageError(f"cannot {op} {url}: read-only file system", url)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return StorageError(f"cannot {op} {url}: no space left on device", url)
-        tail = f" (gave up after {attempts} attempts over {elapsed:.1f}s)" if attempts else ""
-        return StorageError(f"cannot {op} {url}: {describe(e)}{tail}", url)
+        if not attempts:
+            return StorageError(f"cannot {op} {url}: {describe(e)}", url)
+        return StorageUnreachable(f"cannot {op} {url}: {describe(e)} (gave up after {attempts} attempts over "
+                                  f"{elapsed:.1f}s); rerun the same command to resume", url)
 
     def _file_in_the_way(self, path: str) -> str | None:
         p = os.path.dirname(path)
