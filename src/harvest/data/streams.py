@@ -29,7 +29,7 @@ import itertools
 import json
 import re
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from harvest.data import sources
 from harvest.data.sources import Record
@@ -241,20 +241,6 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
 
 
 # --- reading -----------------------------------------------------------------------------------------------
-
-class DataStreams(Protocol):
-    """What the extraction job reads: a stream set, or a plain source seen as one stream."""
-
-    num_streams: int
-    counts: list[int | None]
-    total: int | None
-
-    def sample_id(self, stream: int, index: int) -> int: ...
-
-    def records(self, stream: int, start: int = 0) -> Iterator[Record]: ...
-
-    def info(self) -> dict: ...
-
 
 def _stream_line(raw: bytes, sample_id: int, where: str) -> Record:
     text, reason = sources._decode(raw, False)

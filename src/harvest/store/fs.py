@@ -41,6 +41,7 @@ from harvest.store.backends import custom_endpoint, gcs_filesystem, s3_filesyste
 from harvest.store.errors import (
     StorageError,
     StorageNotFoundError,
+    StorageUnreachable,
     describe,
     is_transient,
     redact,

@@ -25,7 +25,6 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -457,11 +456,3 @@ def verify(url: str | Storage, *, workers: int = 4) -> Report:
     storage = url if isinstance(url, Storage) else Storage(str(url))
     return _Verifier(storage, workers).run()
 
-
-def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
-    return [verify(url, workers=workers) for url in urls]
-
-
-def exit_code(reports: Sequence[Report]) -> int:
-    """The CLI's status: 0 when every run is clean, 1 on any problem."""
-    return 0 if all(r.ok for r in reports) else 1
