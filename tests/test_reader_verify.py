@@ -17,6 +17,7 @@ import pytest
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import open_run
+from harvest.store.records import Sidecar
 from harvest.store.report import inspect, status_rows, status_table, watch
 from harvest.store.verify import verify
 
@@ -58,13 +59,13 @@ def write_shard(storage: Storage, stream: int, shard: int, pieces: list[Piece], 
                             np.array([p.sample_id for p in pieces], np.int64),
                             np.array([p.variant for p in pieces], np.int32),
                             metadata={"stream": str(stream), "shard": str(shard)})
-    manifest = fmt.sidecar(stream=stream, shard=shard, data=data, start=start, next=next_, row_start=start,
-                           samples=len(pieces), tokens=len(tokens),
-                           stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
-                           long={"truncated": 0, "chunked": 0, "skipped": 0}, final=final, records=records)
+    manifest = Sidecar.of_shard(data, stream=stream, shard=shard, start=tuple(start), next=tuple(next_),
+                                row_start=tuple(start), samples=len(pieces), tokens=len(tokens),
+                                stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
+                                long={"truncated": 0, "chunked": 0, "skipped": 0}, final=final, records=records)
     base = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(shard)}"
     storage.write_bytes(base + ".safetensors", data)
-    storage.write_json(base + ".json", manifest)
+    storage.write_bytes(base + ".json", manifest.to_bytes())
 
 
 def fake_run(root, name: str = "run", seed: int = 0, counts: list[int] = COUNTS, known: bool = True) -> FakeRun:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
+from harvest.store.records import Sidecar
 from harvest.store.writer import ResumePoint
 
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
@@ -22,14 +24,14 @@ def resume_point(storage: Storage, stream: int) -> ResumePoint:
     for expected, number in enumerate(numbers):
         if number != expected:
             break
-        manifest = storage.read_json(f"{directory}/{fmt.shard_stem(number)}.json")
-        point = ResumePoint(
-            shard=number + 1,
-            next=tuple(manifest["next"]),
-            row_start=tuple(manifest["row_start"]),
-            samples=point.samples + manifest["samples"],
-            tokens=point.tokens + manifest["tokens"],
-            done=bool(manifest["final"]),
-        )
+        rel = f"{directory}/{fmt.shard_stem(number)}.json"
+        try:
+            manifest = Sidecar.from_bytes(storage.read_bytes(rel))
+        except ValueError as e:
+            raise UserError(f"{storage.url_of(rel)}: not a harvest sidecar ({e}); `harvest verify` shows what "
+                            "else is wrong, and deleting it makes the shard be rewritten") from None
+        point = ResumePoint(shard=number + 1, next=manifest.next, row_start=manifest.row_start,
+                            samples=point.samples + manifest.samples, tokens=point.tokens + manifest.tokens,
+                            done=manifest.final)
     return point
 

@@ -1,4 +1,5 @@
-"""The output format: names, shard tensors, sidecar manifest, run.json, and exactly mergeable stats.
+"""The output format: names, shard tensors, run.json, and exactly mergeable stats. The sidecar, progress and
+lease records are typed in harvest.store.records.
 
 ```
 OUT/run.json                               what the run is (model, points, dtypes, config, hash)
@@ -18,9 +19,6 @@ run.json: {format_version, harvest_version, model: {source, model_type, config_s
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
 dtype, compute_dtype, max_seq_len, long, format, data: {source, num_streams, counts (null when
 unknown)}, config (every setting), config_sha256}.
-
-progress.json: {stream, records_done, total (null when unknown), samples, tokens, shards,
-tokens_per_s, worker, updated_at (ISO 8601 UTC), done}.
 """
 
 from __future__ import annotations
@@ -176,46 +174,3 @@ def _row_sum(values: np.ndarray, rows: int, f) -> np.ndarray:
         chunk = f(np.asarray(values[start:start + rows], np.float64))
         total = chunk.sum(axis=0) if total is None else np.add.reduce(np.vstack([total[None], chunk]), axis=0)
     return total
-
-
-def sidecar(
-    *,
-    stream: int,
-    shard: int,
-    data: bytes,
-    start: Position,
-    next: Position,
-    row_start: Position,
-    samples: int,
-    tokens: int,
-    stats: dict[str, RunningStats],
-    skipped: list[dict[str, Any]],
-    long: dict[str, int],
-    final: bool,
-    records: int,
-) -> dict[str, Any]:
-    """The commit marker and manifest entry of one shard.
-
-    `skipped`: bad records and skipped long samples in [start, next), each {sample_id, location, reason}.
-    `long`: counts of truncated/skipped/chunked records in this shard's range.
-    `records`: records of the stream read through `next`; with `final` (the stream ends with this shard,
-    which may then hold no samples), all the stream's records.
-    """
-    return {
-        "format_version": FORMAT_VERSION,
-        "stream": stream,
-        "shard": shard,
-        "file": shard_stem(shard) + ".safetensors",
-        "bytes": len(data),
-        "sha256": sha256(data),
-        "start": list(start),
-        "next": list(next),
-        "row_start": list(row_start),
-        "samples": samples,
-        "tokens": tokens,
-        "stats": {name: s.to_json() for name, s in stats.items()},
-        "skipped": skipped,
-        "long": long,
-        "final": final,
-        "records": records,
-    }

@@ -105,3 +105,69 @@ class LeaseRecord(Record):
 
     def describe(self) -> str:
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
+
+
+Position = tuple[int, int]  # (index of the record in its stream, variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sidecar(Record):
+    """`stream_NNNNN/shard_NNNNNN.json`: the commit marker and manifest of one shard, written after its data.
+
+    `start`/`next`: the positions the shard covers, [start, next). `row_start`: where the packed row
+    holding `next` begins, from which a resume re-packs. `stats`: {tensor: RunningStats.to_json()}.
+    `skipped`: bad records and skipped long samples in the range, each {sample_id, location, reason}.
+    `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
+    through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
+    """
+
+    format_version: int
+    stream: int
+    shard: int
+    file: str
+    bytes: int
+    sha256: str
+    start: Position
+    next: Position
+    row_start: Position
+    samples: int
+    tokens: int
+    stats: dict
+    skipped: list
+    long: dict
+    final: bool
+    records: int
+
+    @classmethod
+    def of_shard(cls, data: bytes, *, stream: int, shard: int, stats: dict[str, Any], **fields: Any) -> Sidecar:
+        """The sidecar of shard bytes `data`: names, size and checksum from them; `stats` as RunningStats."""
+        from harvest.store import format as fmt
+
+        return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
+                   file=fmt.shard_stem(shard) + ".safetensors", bytes=len(data), sha256=fmt.sha256(data),
+                   stats={name: s.to_json() for name, s in stats.items()}, **fields)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Sidecar:
+        sidecar = super().from_json(obj)
+        for name in ("start", "next", "row_start"):
+            if len(getattr(sidecar, name)) != 2:
+                raise ValueError(f"field {name!r}: expected [index, variant], got {list(getattr(sidecar, name))}")
+        if sidecar.start > sidecar.next:
+            raise ValueError(f"start {list(sidecar.start)} after next {list(sidecar.next)}")
+        return sidecar
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress(Record):
+    """`stream_NNNNN/progress.json`, rewritten after each commit, for `harvest status`; never read for
+    correctness. `total` is None while a plain source's length is unknown."""
+
+    stream: int
+    records_done: int
+    total: int | None
+    shards: int
+    tokens_per_s: float
+    worker: str
+    updated_at: str  # ISO 8601, UTC
+    done: bool

@@ -43,11 +43,10 @@ from harvest.store.reader import (
     list_stream_dirs,
     position,
 )
+from harvest.store.records import Sidecar
 from harvest.store.report import human_bytes
 
 STREAM_FILES = {"progress.json", "lease.json"}  # allowed in a stream directory besides shards and sidecars
-_SIDECAR_KEYS = {"stream": int, "shard": int, "bytes": int, "sha256": str, "start": list, "next": list,
-                 "samples": int, "tokens": int, "stats": dict, "skipped": list, "final": bool, "records": int}
 _EXPECTED_ARRAYS = {"tokens": (np.int32, 1), "offsets": (np.int64, 1), "sample_ids": (np.int64, 1),
                     "variants": (np.int32, 1)}
 
@@ -88,7 +87,7 @@ class _Shard:
     """What verify learned about one committed shard of a stream."""
 
     k: int
-    sidecar: dict[str, Any]
+    sidecar: Sidecar
     sample_ids: np.ndarray | None = None
     variants: np.ndarray | None = None
 
@@ -194,36 +193,29 @@ class _Verifier:
                          f"sidecar without its data: {fmt.shard_stem(k)}.safetensors is missing")
         return [(k, k in files) for k in sorted(sidecars)]
 
-    def read_sidecar(self, s: int, k: int) -> dict[str, Any] | None:
+    def read_sidecar(self, s: int, k: int) -> Sidecar | None:
         rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json"
         try:
-            sc = self.storage.read_json(rel)
-        except (ValueError, UserError) as e:
+            sc = Sidecar.from_bytes(self.storage.read_bytes(rel))
+        except UserError as e:
             self.problem(rel, f"unreadable sidecar ({e})")
             return None
-        if not isinstance(sc, dict):
-            self.problem(rel, "sidecar is not a JSON object")
+        except ValueError as e:
+            self.problem(rel, f"bad sidecar: {e}")
             return None
-        bad = [f"{key} missing or not {kind.__name__}" for key, kind in _SIDECAR_KEYS.items()
-               if not isinstance(sc.get(key), kind) or (kind is int and isinstance(sc.get(key), bool))]
-        bad += [f"{key} must be [index, variant]" for key in ("start", "next")
-                if isinstance(sc.get(key), list)
-                and (len(sc[key]) != 2 or not all(isinstance(v, int) for v in sc[key]))]
-        if not bad:
-            if sc["stream"] != s:
-                bad.append(f"says stream {sc['stream']}, lies in {fmt.stream_dir(s)}")
-            if sc["shard"] != k:
-                bad.append(f"says shard {sc['shard']}, named {fmt.shard_stem(k)}")
-            if sc.get("file", fmt.shard_stem(k) + ".safetensors") != fmt.shard_stem(k) + ".safetensors":
-                bad.append(f"names file {sc['file']!r}, not {fmt.shard_stem(k)}.safetensors")
-            if position(sc["start"]) > position(sc["next"]):
-                bad.append(f"start {sc['start']} after next {sc['next']}")
+        bad = []
+        if sc.stream != s:
+            bad.append(f"says stream {sc.stream}, lies in {fmt.stream_dir(s)}")
+        if sc.shard != k:
+            bad.append(f"says shard {sc.shard}, named {fmt.shard_stem(k)}")
+        if sc.file != fmt.shard_stem(k) + ".safetensors":
+            bad.append(f"names file {sc.file!r}, not {fmt.shard_stem(k)}.safetensors")
         for message in bad:
             self.problem(rel, f"bad sidecar: {message}")
         return None if bad else sc
 
     # one shard's data -----------------------------------------------------------------------------------
-    def check_shard(self, info: dict[str, Any], s: int, k: int, sc: dict[str, Any]):
+    def check_shard(self, info: dict[str, Any], s: int, k: int, sc: Sidecar):
         """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
         rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.safetensors"
         try:
@@ -231,9 +223,9 @@ class _Verifier:
         except UserError as e:
             self.problem(rel, f"unreadable ({e})")
             return None, None
-        if len(data) != sc["bytes"] or fmt.sha256(data) != sc["sha256"]:
+        if len(data) != sc.bytes or fmt.sha256(data) != sc.sha256:
             self.problem(rel, f"checksum mismatch: {len(data)} bytes sha256 {fmt.sha256(data)[:16]}..., sidecar says "
-                              f"{sc['bytes']} bytes sha256 {str(sc['sha256'])[:16]}... (corrupted or overwritten)")
+                              f"{sc.bytes} bytes sha256 {str(sc.sha256)[:16]}... (corrupted or overwritten)")
         try:
             meta = fmt.shard_metadata(data)
             if meta.get("format") != "harvest":
@@ -257,10 +249,10 @@ class _Verifier:
             return None, None
         n, n_tokens = len(t["sample_ids"]), len(t["tokens"])
         offsets = t["offsets"]
-        if n != sc["samples"]:
-            bad.append(f"{n} samples, sidecar says {sc['samples']}")
-        if n_tokens != sc["tokens"]:
-            bad.append(f"{n_tokens} tokens, sidecar says {sc['tokens']}")
+        if n != sc.samples:
+            bad.append(f"{n} samples, sidecar says {sc.samples}")
+        if n_tokens != sc.tokens:
+            bad.append(f"{n_tokens} tokens, sidecar says {sc.tokens}")
         if len(t["variants"]) != n:
             bad.append(f"{len(t['variants'])} variants for {n} samples")
         if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
@@ -273,7 +265,7 @@ class _Verifier:
             elif t[name].shape != (n_tokens, width) or t[name].dtype != want_dtype:
                 bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, run.json says "
                            f"{info['dtype']}[{n_tokens}, {width}]")
-            stats = sc["stats"].get(name)
+            stats = sc.stats.get(name)
             if not isinstance(stats, dict) or stats.get("count") != n_tokens or len(stats.get("mean") or []) != width:
                 bad.append(f"sidecar stats for {name} do not cover {n_tokens} tokens x {width}")
         extra = sorted(set(t) - set(info["tensors"]) - set(SHARD_ARRAYS))
@@ -299,7 +291,7 @@ class _Verifier:
         previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
         for sh in shards:
             sc, rel = sh.sidecar, f"{sdir}/{fmt.shard_stem(sh.k)}.json"
-            start, next_ = position(sc["start"]), position(sc["next"])
+            start, next_ = position(sc.start), position(sc.next)
             if sh.k != expected:
                 missing = (fmt.shard_stem(expected) if sh.k == expected + 1
                            else f"{fmt.shard_stem(expected)}..{fmt.shard_stem(sh.k - 1)}")
@@ -314,35 +306,35 @@ class _Verifier:
                                   f"{list(previous_next)}")
             if final_seen is not None:
                 self.problem(rel, f"shard after the final one ({fmt.shard_stem(final_seen)})")
-            if sc["records"] < previous_records:
-                self.problem(rel, f"records {sc['records']} less than the previous shard's {previous_records}")
-            if sc["final"] and final_seen is None:
+            if sc.records < previous_records:
+                self.problem(rel, f"records {sc.records} less than the previous shard's {previous_records}")
+            if sc.final and final_seen is None:
                 final_seen = sh.k
-            previous_next, expected, previous_records = next_, sh.k + 1, sc["records"]
+            previous_next, expected, previous_records = next_, sh.k + 1, sc.records
             self.report.shards += 1
-            self.report.samples += sc["samples"]
-            self.report.tokens += sc["tokens"]
-            self.report.bytes += sc["bytes"]
-            self.report.skipped += len(sc["skipped"])
+            self.report.samples += sc.samples
+            self.report.tokens += sc.tokens
+            self.report.bytes += sc.bytes
+            self.report.skipped += len(sc.skipped)
 
         last = shards[-1].sidecar
         if final_seen is None:
             total = f" of {count}" if count is not None else ""
             self.problem(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
-                         f"no final shard after this one: stream incomplete ({last['records']}{total} records "
-                         f"read, committed through {last['next']})")
-            end = position(last["next"])[0]
+                         f"no final shard after this one: stream incomplete ({last.records}{total} records "
+                         f"read, committed through {list(last.next)})")
+            end = position(last.next)[0]
         else:
             final = next(sh.sidecar for sh in shards if sh.k == final_seen)
-            end = final["records"]
+            end = final.records
             if count is not None and end != count:
                 self.problem(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
                              f"final shard says the stream has {end} records, run.json data.counts says {count}")
-            if position(final["next"]) > (end, 0):
+            if position(final.next) > (end, 0):
                 self.problem(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
-                             f"final shard ends at {final['next']}, past the stream's {end} records")
+                             f"final shard ends at {list(final.next)}, past the stream's {end} records")
         self.report.records += end
-        entries = sum(sh.sidecar["samples"] + len(sh.sidecar["skipped"]) for sh in shards)
+        entries = sum(sh.sidecar.samples + len(sh.sidecar.skipped) for sh in shards)
         if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
             self.problem(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
                          f"{end:,} records but only {entries:,} samples and skipped entries: at least "
@@ -362,7 +354,7 @@ class _Verifier:
         skipped_pieces: dict[tuple[int, int], int] = {}
         for sh in shards:
             sc = sh.sidecar
-            start, next_ = position(sc["start"]), position(sc["next"])
+            start, next_ = position(sc.start), position(sc.next)
             data_rel = f"{sdir}/{fmt.shard_stem(sh.k)}.safetensors"
             if sh.sample_ids is not None and len(sh.sample_ids):
                 sid, var = sh.sample_ids, sh.variants.astype(np.int64)
@@ -377,7 +369,7 @@ class _Verifier:
                     self.problem(data_rel, "samples are not in strictly increasing (index, variant) order")
                 if first < start or lastp >= next_ or (var < 0).any():
                     self.problem(data_rel, f"samples span {list(first)}..{list(lastp)}, outside the sidecar's "
-                                           f"[start {sc['start']}, next {sc['next']})")
+                                           f"[start {list(sc.start)}, next {list(sc.next)})")
                 ok = ~wrong & (index < end)
                 if (index[~wrong] >= end).any():
                     self.problem(data_rel, f"samples past the stream's last record ({end} records)")
@@ -387,7 +379,7 @@ class _Verifier:
                 owner.append(np.full(len(sid), sh.k))
             elif sh.sample_ids is None:  # data unreadable, already reported: do not report its records again
                 gaps.append((start[0], next_[0] + 1))
-            for entry in sc["skipped"]:
+            for entry in sc.skipped:
                 sid = entry.get("sample_id") if isinstance(entry, dict) else None
                 if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
                     self.problem(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
@@ -397,7 +389,7 @@ class _Verifier:
                 if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
                     self.problem(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
                                  f"skipped sample_id {sid} (record {i}) outside "
-                                 f"[start {sc['start']}, next {sc['next']})")
+                                 f"[start {list(sc.start)}, next {list(sc.next)})")
                 if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
                     key = (sid, int(variant))
                     if key in skipped_pieces:
@@ -435,7 +427,7 @@ class _Verifier:
                 in_gap |= (missing >= lo) & (missing < hi)
             missing = missing[~in_gap]
         if len(missing):
-            starts = [position(sh.sidecar["start"])[0] for sh in shards]
+            starts = [position(sh.sidecar.start)[0] for sh in shards]
             for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
                 self.problem(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
                              f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "

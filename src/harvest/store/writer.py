@@ -19,6 +19,7 @@ import numpy as np
 from harvest.data.batching import Piece, Row, Skip
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
+from harvest.store.records import Sidecar
 
 
 @dataclasses.dataclass
@@ -145,7 +146,7 @@ class Committer:
     runs after each commit (on the committing thread): progress bookkeeping.
     """
 
-    def __init__(self, storage: Storage, on_commit: Callable[[dict[str, Any]], None] | None = None, *,
+    def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *,
                  guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
         self.on_commit = on_commit or (lambda manifest: None)
@@ -194,15 +195,15 @@ class Committer:
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        stats = {name: fmt.RunningStats.of(values) for name, values in shard.tensors.items()}
-        manifest = fmt.sidecar(
-            stream=shard.stream, shard=shard.shard, data=data, start=shard.start, next=shard.next,
+        manifest = Sidecar.of_shard(
+            data, stream=shard.stream, shard=shard.shard, start=shard.start, next=shard.next,
             row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
-            stats=stats, skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
+            stats={name: fmt.RunningStats.of(values) for name, values in shard.tensors.items()},
+            skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
         )
         base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
         self.guard(shard.stream)
         self.storage.write_bytes(base + ".safetensors", data)
         self.guard(shard.stream)
-        self.storage.write_json(base + ".json", manifest)  # the commit
+        self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
         self.on_commit(manifest)
