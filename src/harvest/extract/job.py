@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from harvest.config import ExtractConfig, parse_ranges, stable_hash
+from harvest.config import ExtractConfig, stable_hash
 from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
 from harvest.errors import UserError
@@ -39,6 +39,7 @@ from harvest.model import (
     parse_points,
 )
 from harvest.model.weights import resolve_checkpoint
+from harvest.ranges import parse_ranges
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt

@@ -18,8 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from harvest.config import format_ranges
 from harvest.errors import UserError
+from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import (

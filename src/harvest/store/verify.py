@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from harvest.config import format_ranges
 from harvest.errors import UserError
+from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import (
