@@ -546,23 +546,34 @@ class Storage:
         self._fsync_dir(d)
 
     def _local_replace_if(self, path: str, data: bytes, token: str) -> bool:
-        try:
-            fd = os.open(os.path.dirname(path), os.O_RDONLY)
-        except FileNotFoundError:
+        """The new bytes are written and synced first; the lock covers only the compare and the rename, so a
+        process stopped at a random moment (SIGSTOP, a suspended VM) almost never stops holding it."""
+        d = os.path.dirname(path)
+        if not os.path.isdir(d):
             return False
+        tmp: str | None = self._tmp_name(path)
         try:
-            _flock(fd)
+            self._write_synced(tmp, data, "xb")
+            fd = os.open(d, os.O_RDONLY)
             try:
-                with open(path, "rb") as f:
-                    current = f.read()
-            except FileNotFoundError:
-                return False
-            if hashlib.sha256(current).hexdigest() != token:
-                return False
-            self._local_write(path, data)
-            return True
+                _flock(fd)
+                try:
+                    with open(path, "rb") as f:
+                        current = f.read()
+                except FileNotFoundError:
+                    return False
+                if hashlib.sha256(current).hexdigest() != token:
+                    return False
+                os.replace(tmp, path)
+                tmp = None
+            finally:
+                os.close(fd)  # releases the lock
         finally:
-            os.close(fd)  # releases the lock
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        self._fsync_dir(d)
+        return True
 
     def _local_create(self, path: str, data: bytes) -> bool:
         d = os.path.dirname(path)
