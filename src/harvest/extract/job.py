@@ -30,6 +30,7 @@ from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
 from harvest.errors import UserError
 from harvest.extract.report import Progress, summarize
+from harvest.extract.shards import ShardWriter
 from harvest.model import (
     CapturePlan,
     Decoder,
@@ -43,11 +44,10 @@ from harvest.ranges import parse_ranges
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
-from harvest.store.commit import resume_point
+from harvest.store.commit import Committer, resume_point
 from harvest.store.fs import Storage
 from harvest.store.lease import LEASE, Leases
 from harvest.store.records import json_bytes
-from harvest.store.writer import Committer, ShardWriter
 
 QUEUE_DEPTH = 2
 

@@ -14,10 +14,10 @@ from typing import Any
 
 from harvest.data.batching import Piece, Row
 from harvest.store import format as fmt
+from harvest.store.commit import ResumePoint
 from harvest.store.fs import Storage
 from harvest.store.records import Progress as ProgressRecord
 from harvest.store.records import Sidecar
-from harvest.store.writer import ResumePoint
 
 log = logging.getLogger("harvest")
 LOG_EVERY_S = 10.0

@@ -1,16 +1,55 @@
-"""Reading back what is committed: where each stream resumes."""
+"""The commit protocol: a shard's data is written, then its sidecar (the commit); a shard without its
+sidecar does not exist. `Committer` encodes and commits closed shards on background threads, in order
+within a stream, through bounded queues (when storage falls behind the producer waits; nothing is
+dropped); `resume_point` reads back where each stream stands.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import re
+import threading
+from typing import Any, Callable
+
+import numpy as np
 
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.records import Sidecar
-from harvest.store.writer import ResumePoint
 
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where a stream stands after its committed shards (all zeros for a fresh stream)."""
+
+    shard: int = 0  # next shard number
+    next: fmt.Position = (0, 0)
+    row_start: fmt.Position = (0, 0)
+    samples: int = 0
+    tokens: int = 0
+    done: bool = False
+
+
+@dataclasses.dataclass
+class ClosedShard:
+    stream: int
+    shard: int
+    tensors: dict[str, np.ndarray]
+    tokens: np.ndarray
+    lengths: np.ndarray
+    sample_ids: np.ndarray
+    variants: np.ndarray
+    start: fmt.Position
+    next: fmt.Position
+    row_start: fmt.Position
+    skipped: list[dict[str, Any]]
+    long: dict[str, int]
+    final: bool
+    records: int
 
 
 def resume_point(storage: Storage, stream: int) -> ResumePoint:
@@ -35,3 +74,73 @@ def resume_point(storage: Storage, stream: int) -> ResumePoint:
                             done=manifest.final)
     return point
 
+
+class Committer:
+    """Background threads that encode and commit shards; stream s always goes to thread s % threads.
+
+    `guard(stream)` runs before each write of a stream and raises when this worker may no longer write it
+    (its lease lost: see harvest.store.lease), so nothing lands after that moment. `on_commit(manifest)`
+    runs after each commit (on the committing thread): progress bookkeeping.
+    """
+
+    def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *,
+                 guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
+        self.storage = storage
+        self.on_commit = on_commit or (lambda manifest: None)
+        self.guard = guard or (lambda stream: None)
+        self.failure: BaseException | None = None
+        self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
+        self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
+                         for i, q in enumerate(self._queues)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, shard: ClosedShard) -> None:
+        """Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped."""
+        q = self._queues[shard.stream % len(self._queues)]
+        while True:
+            self.check()
+            try:
+                q.put(shard, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Wait for every submitted shard to be committed; re-raise a writer's failure."""
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self.check()
+
+    def _run(self, q: queue.Queue) -> None:
+        while (shard := q.get()) is not None:
+            if self.failure is not None:
+                continue  # drain: the run is failing, the main thread will raise
+            try:
+                self._commit(shard)
+            except BaseException as e:  # surfaced to the main thread by check()
+                self.failure = e
+
+    def _commit(self, shard: ClosedShard) -> None:
+        data = fmt.encode_shard(
+            shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
+            metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
+        )
+        manifest = Sidecar.of_shard(
+            data, stream=shard.stream, shard=shard.shard, start=shard.start, next=shard.next,
+            row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
+            stats={name: fmt.RunningStats.of(values) for name, values in shard.tensors.items()},
+            skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
+        )
+        base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
+        self.guard(shard.stream)
+        self.storage.write_bytes(base + ".safetensors", data)
+        self.guard(shard.stream)
+        self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
+        self.on_commit(manifest)
