@@ -246,11 +246,13 @@ def test_streams_refuse_overwrite_and_damage(jsonl, tmp_path):
         create_streams(str(jsonl), 0, str(tmp_path / "t"))
 
 
-def test_streams_seek_by_line_offsets(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_streams_seek_by_line_offsets(tmp_path, monkeypatch, where, request):
     monkeypatch.setattr(streamslib, "INDEX_EVERY", 4)
     src = tmp_path / "big.txt"
     src.write_text("".join(f"line {i}\n" for i in range(50)))
-    ss = create_streams(str(src), 3, str(tmp_path / "s"), buffer_bytes=64)
+    out = str(tmp_path / "s") if where == "local" else request.getfixturevalue("gcs_url") + "/s"
+    ss = create_streams(str(src), 3, out, buffer_bytes=64)
     assert ss.meta["index_every"] == 4 and len(ss.meta["line_offsets"][0]) == 5
     for s in range(3):
         full = list(ss.records(s))
