@@ -125,7 +125,16 @@ class Committer:
             try:
                 self._commit(shard)
             except BaseException as e:  # surfaced to the main thread by check()
-                self.failure = e
+                self.failure = self._cause(shard.stream, e)
+
+    def _cause(self, stream: int, error: BaseException) -> BaseException:
+        """A write that failed because this worker lost the stream (the new holder cleared its temp files,
+        say) fails for that reason: the guard's error names the holder."""
+        try:
+            self.guard(stream)
+        except Exception as lost:
+            return lost
+        return error
 
     def _commit(self, shard: ClosedShard) -> None:
         data = fmt.encode_shard(
@@ -143,4 +152,5 @@ class Committer:
         self.storage.write_bytes(base + ".safetensors", data)
         self.guard(shard.stream)
         self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
+        self.guard(shard.stream)
         self.on_commit(manifest)
