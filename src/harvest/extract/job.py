@@ -47,7 +47,7 @@ from harvest.store import format as fmt
 from harvest.store.commit import Committer, resume_point
 from harvest.store.fs import Storage
 from harvest.store.lease import LEASE, Leases
-from harvest.store.records import json_bytes
+from harvest.store.records import RunInfo
 
 QUEUE_DEPTH = 2
 
@@ -81,7 +81,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     chosen = _chosen_streams(cfg, data.num_streams)
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     run_info = _run_info(cfg, model, plan, checkpoint, data, compute_dtype)
-    distributed.agree({**_agreed(run_info), "harvest_version": run_info["harvest_version"], "streams": chosen,
+    distributed.agree({**_agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
     tokenizer = prompts.load_tokenizer(checkpoint)
     render = _renderer(cfg, tokenizer)
@@ -101,7 +101,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             distributed.barrier("harvest-overwrite")
         for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
             out.remove_stale_temps(fmt.stream_dir(stream))
-        if jax.process_index() == 0 and not out.create_exclusive("run.json", json_bytes(run_info)):
+        if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
             _check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
         # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
         decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
@@ -147,7 +147,7 @@ def _file_hash(paths: list[Path]) -> str:
 
 
 def _run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkpoint: Path, data,
-              compute_dtype: str) -> dict[str, Any]:
+              compute_dtype: str) -> RunInfo:
     counts = None if None in data.counts else list(data.counts)  # a plain source: length unknown
     if counts is not None and cfg.max_samples is not None:
         counts = [min(c, cfg.max_samples) for c in counts]
@@ -171,8 +171,7 @@ def _run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkpoint:
                  "mapping": "round_robin", "sha256": getattr(data, "sha256", None)},
         "config": cfg.to_dict(),
     }
-    info["config_sha256"] = stable_hash(_agreed(info))
-    return info
+    return RunInfo(**info, config_sha256=stable_hash(_agreed(RunInfo(**info, config_sha256=""))))
 
 
 def _data_url(spec: str) -> str:
@@ -180,21 +179,25 @@ def _data_url(spec: str) -> str:
     return spec if "://" in spec else os.path.abspath(spec)
 
 
-def _agreed(info: dict[str, Any]) -> dict[str, Any]:
+def _agreed(info: RunInfo) -> dict[str, Any]:
     """What two commands writing into one run must agree on (not flags like --batch-size or --streams)."""
-    settings = {k: info["config"][k] for k in ExtractConfig.OUTPUT_FIELDS}
-    data = dict(info["data"])
+    settings = {k: info.config.get(k) for k in ExtractConfig.OUTPUT_FIELDS}
+    data = dict(info.data)
     if data.get("sha256"):  # streams: their content (streams.json's sha256 per file) decides, not their URL
         data.pop("source", None)
-    return {"model": info["model"]["config_sha256"], "tokenizer": info["tokenizer_sha256"], "data": data,
-            "tensors": info["tensors"], "compute_dtype": info["compute_dtype"], **settings}
+    return {"model": info.model.get("config_sha256"), "tokenizer": info.tokenizer_sha256, "data": data,
+            "tensors": info.tensors, "compute_dtype": info.compute_dtype, **settings}
 
 
-def _check_run(out: Storage, info: dict[str, Any]) -> None:
+def _check_run(out: Storage, info: RunInfo) -> None:
     """Refuse to add to a run made with other settings, showing the difference."""
     if not out.exists("run.json"):
         return
-    old, new = _agreed(out.read_json("run.json")), _agreed(info)
+    try:
+        existing = RunInfo.from_bytes(out.read_bytes("run.json"))
+    except ValueError as e:
+        raise RunMismatch(f"{out.url}/run.json: not a harvest run.json ({e}); use another --out") from None
+    old, new = _agreed(existing), _agreed(info)
     differ = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
     if differ:
         raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); "
@@ -216,10 +219,10 @@ def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, li
     resume = {s: resume_point(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
-    widths = info["tensors"]
+    widths = info.tensors
     dtype = np.dtype(fmt.DTYPES[cfg.dtype])
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in mine if not resume[s].done}
-    totals = info["data"]["counts"]
+    totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed, guard=leases.check)
     encode = prompts.encoder(tokenizer, cfg.format)

@@ -171,3 +171,29 @@ class Progress(Record):
     worker: str
     updated_at: str  # ISO 8601, UTC
     done: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo(Record):
+    """`run.json`: what a run is, written once (create-if-absent) by the first worker; every later command
+    into the same output must agree on the settings that decide the bytes.
+
+    model: {source, model_type, config_sha256, num_layers, hidden_size, intermediate_size};
+    points: [[point, [layers]]]; tensors: {name: width}; data: {source, num_streams, counts (null when
+    unknown), mapping, sha256 (per stream file, for a stream set)}; config: every setting.
+    """
+
+    format_version: int
+    harvest_version: str
+    model: dict
+    tokenizer_sha256: str
+    points: list
+    tensors: dict
+    dtype: str
+    compute_dtype: str
+    max_seq_len: int
+    long: str
+    format: str
+    data: dict
+    config: dict
+    config_sha256: str

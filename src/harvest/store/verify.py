@@ -43,7 +43,7 @@ from harvest.store.reader import (
     list_stream_dirs,
     position,
 )
-from harvest.store.records import Sidecar
+from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
 STREAM_FILES = {"progress.json", "lease.json"}  # allowed in a stream directory besides shards and sidecars
@@ -174,6 +174,11 @@ def check_run_info(storage: Storage, problems: Problems) -> dict[str, Any] | Non
         if data.get("streams") is not None and not all(
                 isinstance(s, int) and 0 <= s < data["num_streams"] for s in data["streams"]):
             bad.append(f"data.streams must list stream numbers below num_streams, got {data['streams']!r}")
+    if not bad:
+        try:
+            RunInfo.from_json(info)
+        except ValueError as e:
+            bad.append(f"not a harvest run.json ({e})")
     for message in bad:
         problems.add("run.json", message)
     return None if bad else info
