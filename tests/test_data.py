@@ -137,6 +137,21 @@ def test_fsspec_url(tmp_path):
     fs.rm("/harvest-test", recursive=True)
 
 
+def test_sources_on_object_storage_read_through_storage(tmp_path, s3_url):
+    """gzip'd jsonl and parquet (footer read by seeking from the end) on s3:// (moto), read from an offset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harvest.store.fs import Storage
+
+    st = Storage(s3_url)
+    st.write_bytes("src/a.jsonl.gz", gzip.compress(b'{"text": "g0"}\n{"text": "g1"}\n'))
+    pq.write_table(pa.table({"text": [f"p{i}" for i in range(7)]}), tmp_path / "b.parquet", row_group_size=2)
+    st.write_bytes("src/b.parquet", (tmp_path / "b.parquet").read_bytes())
+    got = [(r.sample_id, r.value["text"]) for r in iter_records(f"{s3_url}/src/*", 1)]
+    assert got == [(1, "g1")] + [(2 + i, f"p{i}") for i in range(7)]
+
+
 def test_source_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         list(iter_records(str(tmp_path / "missing.jsonl")))

@@ -661,11 +661,11 @@ class _ReopeningReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        """Move to `offset` (from the start or the current position): the next read reopens there."""
+        """Move to `offset` (from the start, here or the end): the next read reopens there."""
         if whence == io.SEEK_CUR:
             offset += self._pos
-        elif whence != io.SEEK_SET:
-            raise io.UnsupportedOperation("seek from the end")
+        elif whence == io.SEEK_END:
+            offset += self._storage.size(self._rel)
         if offset != self._pos:
             self._drop()
             self._pos = offset
