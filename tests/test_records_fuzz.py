@@ -18,6 +18,7 @@ from harvest.data import arc as arclib
 from harvest.data.batching import Piece, Skip, stream_pieces
 from harvest.data.prompts import SampleError, encoder, load_tokenizer, make_renderer
 from harvest.data.sources import Record, iter_records
+from harvest.data.streams import create_streams
 from harvest.demo import demo_checkpoint
 from harvest.errors import UserError
 from harvest.extract.job import run_extract
@@ -129,10 +130,12 @@ def huge_integer(rng, value):
 
 
 def harmless_extra(rng, value):
-    """A field nobody reads, holding what the readers must survive: deep nesting, huge numbers, odd text."""
-    extra = rng.choice([nested(rng.randint(50, 400)), 1e308, -1e308, float("inf"), 10 ** rng.randint(20, 4_000),
+    """A field nobody reads, holding what the readers must survive: deep nesting, huge numbers, odd text.
+    Its name may be the one stream files mark carried errors with; a record's own value there is data."""
+    extra = rng.choice([nested(rng.randint(50, 900)), 1e308, -1e308, float("inf"), 10 ** rng.randint(20, 4_000),
                         rng.choice(SURROGATES) + "x", odd_text(rng), None, {"k": [None, {}]}])
-    return line_of({**value, "extra_" + rng.choice(ODD + ["x"]): extra}), None
+    name = rng.choice(["extra_" + rng.choice(ODD), "x", "__harvest_error__"])
+    return line_of({**value, name: extra}), None
 
 
 def swapped(rng):
@@ -312,8 +315,10 @@ def test_mutated_records_are_skipped_with_their_reason_and_valid_ones_stored(fmt
     assert sum(reason is None for _, reason in cases) > PER_FORMAT // 3 and \
         sum(reason is not None for _, reason in cases) > PER_FORMAT // 3
     data = write_source(tmp_path / f"{fmt}.jsonl", cases)
+    # text goes through a stream set (its lines carried verbatim, bad ones as error lines), the others as is
+    streams = create_streams(data, 3, str(tmp_path / "streams")).url if fmt == "text" else data
     out = tmp_path / "out"
-    config = ExtractConfig(model=str(model), data=data, out=str(out), points="resid_post:0", format=fmt,
+    config = ExtractConfig(model=str(model), data=streams, out=str(out), points="resid_post:0", format=fmt,
                            max_seq_len=MAX_SEQ_LEN, long="chunk", batch_size=4, shard_size="2MB").validate()
     run_extract(config)
 
