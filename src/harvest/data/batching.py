@@ -89,6 +89,39 @@ def stream_pieces(
     yield StreamEnd(index + len(block))
 
 
+def _tokenize(texts: list[str], owners: list[int], block: list, encode: Callable, failures: dict[int, str]) -> list:
+    """Token ids of `texts`, one tokenizer call for the block. Should that call fail, each record's texts
+    are tokenized on their own: a record whose texts fail gets a reason in `failures`, the others go on."""
+    if not texts:
+        return []
+    try:
+        return encode(texts)
+    except Exception:  # last resort: find the record at fault below, and only it is skipped
+        pass
+    ids: list = []
+    for k, group in itertools.groupby(range(len(texts)), key=owners.__getitem__):
+        own = [texts[i] for i in group]
+        try:
+            ids.extend(encode(own))
+        except Exception as e:  # last resort, as above: one record's failure, named in its skip
+            failures[k] = _unexpected("tokenizing", block[k], e)
+            ids.extend([[]] * len(own))
+    return ids
+
+
+def _unexpected(stage: str, record, error: Exception) -> str:
+    """The skip reason for an error no check foresaw (a bug to fix: logged with its traceback)."""
+    log.warning("%s: unexpected error while %s it; skipped", _storable(record.location), stage,
+                exc_info=error)
+    return f"unexpected error while {stage} ({type(error).__name__}: {error})"
+
+
+def _storable(text: str, limit: int = 500) -> str:
+    """`text` as a sidecar can hold it: valid UTF-8 (lone surrogates escaped), at most `limit` characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _block_events(block, first, render, encode, max_seq_len, long, strict, sample_error) -> Iterator[Event]:
     texts: list[str] = []
     owners: list[int] = []
@@ -145,39 +178,6 @@ def _block_events(block, first, render, encode, max_seq_len, long, strict, sampl
             for piece, note in pieces:
                 yield Piece((index, variant), record.sample_id, piece, note)
                 variant += 1
-
-
-def _tokenize(texts: list[str], owners: list[int], block: list, encode: Callable, failures: dict[int, str]) -> list:
-    """Token ids of `texts`, one tokenizer call for the block. Should that call fail, each record's texts
-    are tokenized on their own: a record whose texts fail gets a reason in `failures`, the others go on."""
-    if not texts:
-        return []
-    try:
-        return encode(texts)
-    except Exception:  # last resort: find the record at fault below, and only it is skipped
-        pass
-    ids: list = []
-    for k, group in itertools.groupby(range(len(texts)), key=owners.__getitem__):
-        own = [texts[i] for i in group]
-        try:
-            ids.extend(encode(own))
-        except Exception as e:  # last resort, as above: one record's failure, named in its skip
-            failures[k] = _unexpected("tokenizing", block[k], e)
-            ids.extend([[]] * len(own))
-    return ids
-
-
-def _unexpected(stage: str, record, error: Exception) -> str:
-    """The skip reason for an error no check foresaw (a bug to fix: logged with its traceback)."""
-    log.warning("%s: unexpected error while %s it; skipped", _storable(record.location), stage,
-                exc_info=error)
-    return f"unexpected error while {stage} ({type(error).__name__}: {error})"
-
-
-def _storable(text: str, limit: int = 500) -> str:
-    """`text` as a sidecar can hold it: valid UTF-8 (lone surrogates escaped), at most `limit` characters."""
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def pack_stream(events: Iterable[Event], seq_len: int, skip_before: Position = (0, 0)) -> Iterator[Row]:
