@@ -33,6 +33,7 @@ import io
 import itertools
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -263,6 +264,11 @@ def _read_json(f: SourceFile, skip: int):
         raise UserError(f"{f.path}: not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{f.path}: malformed JSON: {e.msg} (line {e.lineno} col {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{f.path}: malformed JSON: nested too deeply") from None
+    except ValueError:  # an integer longer than Python converts
+        raise UserError(f"{f.path}: malformed JSON: an integer with more than "
+                        f"{sys.get_int_max_str_digits()} digits") from None
     if isinstance(doc, list):
         rows = doc
     elif doc == {}:
@@ -371,6 +377,8 @@ def parse_line(text: str) -> tuple[dict | None, str | None]:
         return None, f"malformed JSON: {e.msg} (col {e.colno})"
     except RecursionError:
         return None, "malformed JSON: nested too deeply"
+    except ValueError:  # json's other refusal: an integer longer than Python converts
+        return None, f"malformed JSON: an integer with more than {sys.get_int_max_str_digits()} digits"
     if not isinstance(value, dict):
         return None, f"not a JSON object (got {json_kind(value)})"
     return value, None

@@ -186,9 +186,16 @@ def _stream_line(raw: bytes, sample_id: int, where: str) -> Record:
     if reason is not None:
         return Record(sample_id, where, None, reason)
     value, error = sources.parse_line(text)
-    if value is not None and ERROR_KEY in value:
-        return Record(sample_id, str(value.get(LOCATION_KEY) or where), None, str(value[ERROR_KEY]))
+    if _is_carried_error(value):
+        return Record(sample_id, value[LOCATION_KEY] or where, None, value[ERROR_KEY])
     return Record(sample_id, where, value, error)
+
+
+def _is_carried_error(value: dict | None) -> bool:
+    """Whether a stream line is one that _carry wrote for a bad source item (and not a record that merely
+    has a field of that name): exactly the two keys, both strings."""
+    return (value is not None and value.keys() == {ERROR_KEY, LOCATION_KEY}
+            and all(isinstance(v, str) for v in value.values()))
 
 
 class StreamSet:
