@@ -1,0 +1,166 @@
+"""The extraction pipeline: three stages joined by bounded queues (a slow stage makes the others wait;
+nothing is dropped):
+  feeder thread   reads records, renders and tokenizes them, packs rows, assembles batches;
+  main thread     runs the forward on device and starts the device->host copies;
+  host thread     takes the captures to host numpy and cuts them into shards, which the Committer's
+                  threads encode and write (data, then sidecar).
+A stage's exception reaches the main thread (and every stage stops); so does a lost lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from harvest.data.batching import Row
+from harvest.extract.report import Progress
+from harvest.model import Decoder
+from harvest.runtime import distributed
+from harvest.store import format as fmt
+from harvest.store.commit import Committer
+
+QUEUE_DEPTH = 2
+
+
+def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batch_size: int, seq_len: int,
+                 writers: dict, committer: Committer, progress: Progress, failure: list[BaseException]) -> None:
+    """Feed, forward and write until every slot's streams are done (on every process together); returns
+    when the last shard is committed, raises the first failure of any stage."""
+    num_slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
+    shape = (num_slots * batch_size, seq_len)
+    idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
+    batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure), failure)
+    host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
+    local_done = False
+    while True:
+        batch = None if local_done else get(batches, failure)
+        local_done = batch is None
+        # Every process runs every step (the model may span hosts); the run ends on all of them together.
+        if not distributed.any_true(not local_done):
+            break
+        outputs = decoder((batch or idle).tokens, (batch or idle).segments)
+        if batch is not None and writers:
+            for array in outputs.values():
+                for shard in local_blocks(array):
+                    shard.data.copy_to_host_async()
+            put(captured, (batch, outputs), failure)
+    put(captured, None, failure)
+    host.join(failure)
+    feeder.join(failure)
+    committer.close()
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: np.ndarray  # [slots * batch_size, seq]
+    segments: np.ndarray
+    rows: list[tuple[int, Row] | None]  # per batch row: (stream, row), None for padding rows
+
+
+def local_blocks(array: jax.Array) -> list:
+    """One addressable shard per distinct batch block (model-axis replicas hold the same rows); each holds
+    whole rows at full width, as forward's output sharding pins them."""
+    seen: dict[int, Any] = {}
+    for shard in array.addressable_shards:
+        if shard.data.shape[-1] != array.shape[-1]:
+            raise AssertionError(f"captures split along their width: {array.sharding}")
+        seen.setdefault(shard.index[1].start or 0, shard)
+    return [seen[k] for k in sorted(seen)]
+
+
+class Stage(threading.Thread):
+    """A pipeline thread whose exception is handed to the main thread instead of being lost."""
+
+    def __init__(self, target, failure: list[BaseException]):
+        super().__init__(daemon=True)
+        self._target_fn = target
+        self._failure = failure
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._target_fn()
+        except BaseException as e:
+            self._failure.append(e)
+
+    def join(self, failure=None) -> None:  # type: ignore[override]
+        super().join()
+        if failure:
+            raise failure[0]
+
+
+def put(q: queue.Queue, item, failure: list[BaseException]) -> None:
+    while True:
+        if failure:
+            raise failure[0]
+        try:
+            q.put(item, timeout=0.5)
+            return
+        except queue.Full:
+            continue
+
+
+def get(q: queue.Queue, failure: list[BaseException]):
+    while True:
+        if failure:
+            raise failure[0]
+        try:
+            return q.get(timeout=0.5)
+        except queue.Empty:
+            continue
+
+
+def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
+          failure: list[BaseException]) -> None:
+    """Batches of `batch_size` rows for each slot this process feeds (the other blocks stay empty: other
+    processes feed them); a slot out of streams pads with empty rows."""
+    iterators = {k: _chain(streams_of_slot, stream_rows) for k, streams_of_slot in slots.items()}
+    live = {k: True for k in slots}
+    while any(live.values()):
+        tokens, segments = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+        rows: list[tuple[int, Row] | None] = [None] * shape[0]
+        for k, it in iterators.items():
+            for i in range(k * batch_size, (k + 1) * batch_size):
+                item = next(it, None) if live[k] else None
+                if item is None:
+                    live[k] = False
+                    continue
+                rows[i] = item
+                tokens[i], segments[i] = item[1].tokens, item[1].segments
+        if any(rows):
+            put(batches, Batch(tokens, segments, rows), failure)
+    put(batches, None, failure)
+
+
+def _chain(stream_ids: list[int], stream_rows) -> Iterator[tuple[int, Row]]:
+    for stream in stream_ids:
+        for row in stream_rows(stream):
+            yield stream, row
+
+
+def to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Committer, progress: Progress) -> None:
+    """Host side: the rows of the slots this process owns, to numpy, to their stream's writer; closed shards
+    to the committer."""
+    names = [(p, j, fmt.tensor_name(p, layer)) for p, layers in decoder.plan.points for j, layer in enumerate(layers)]
+    while (item := captured.get()) is not None:
+        batch, outputs = item
+        blocks = {p: [(shard.index[1].start or 0, np.asarray(shard.data)) for shard in local_blocks(v)]
+                  for p, v in outputs.items()}
+        for r, entry in enumerate(batch.rows):
+            if entry is None or entry[0] not in writers:  # another process writes that slot
+                continue
+            stream, row = entry
+            values = {}
+            for p, j, name in names:
+                start, block = next((s, b) for s, b in reversed(blocks[p]) if s <= r)
+                values[name] = block[j, r - start, : row.used]
+            for shard in writers[stream].add_row(row, values):
+                committer.submit(shard)
+            progress.rows_done(stream, row)
