@@ -42,6 +42,8 @@ def _value(record: Record) -> dict:
 def _unicode_problem(text: str) -> str | None:
     """Why a string is not valid Unicode (a lone surrogate, as JSON's "\\ud800" escapes make), or None.
     Tokenizers refuse such strings, so they are a record's skip, found before tokenization."""
+    if text.isascii():
+        return None
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
