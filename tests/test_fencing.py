@@ -117,9 +117,8 @@ def test_a_worker_stopped_past_the_ttl_is_fenced_out_and_commits_nothing(setup, 
         os.kill(a.pid, signal.SIGCONT)
         woke = time.monotonic()
         code = a.wait(timeout=60)
-        took = time.monotonic() - woke
-        # Within the TTL on an idle machine (its heartbeat notices at once); a loaded one may need more.
-        assert code == 3 and took < 2 * TTL, (code, took, (setup.root / f"a-{kind}.log").read_text())
+        took = time.monotonic() - woke  # its heartbeat or its next write notices at once (~0.3 s here)
+        assert code == 3 and took < TTL, (code, took, (setup.root / f"a-{kind}.log").read_text())
     finally:
         if a.poll() is None:
             os.kill(a.pid, signal.SIGCONT)

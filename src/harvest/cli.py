@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if "jax" in sys.modules:  # a multi-host run: the others may be gone, skip JAX's shutdown barrier
             from harvest.runtime.distributed import exit_now
 
-            exit_now(e.exit_code)
+            exit_now(e.exit_code, always=e.exit_code != 2)  # a fenced-out worker stops at once
         return e.exit_code
     except KeyboardInterrupt:
         print("harvest: interrupted; committed shards are kept, rerun the same command to resume", file=sys.stderr)
