@@ -35,7 +35,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store import shuffle
-from harvest.store.layout import ShardLayout, read_layout, read_rows
+from harvest.store.layout import HEAD_GUESS, ShardLayout, map_file, parse_header, prefault, read_layout, read_rows, rows_of
 
 if TYPE_CHECKING:
     from harvest.store.reader import Run
@@ -143,6 +143,9 @@ class TokenBatches:
         stored = np.dtype(fmt.DTYPES.get(run.dtype, np.float32))
         self.out_dtype = np.dtype(fmt.DTYPES[dtype]) if dtype else (np.dtype(np.float32) if normalize else stored)
         self.whole = self._whole_shards(verify, stored)
+        self._stored = stored
+        self._raw = {"tokens": ((), np.dtype(np.int32)),  # gathered as unsigned ints: the same bits, a fast copy
+                     **{n: ((run.tensors[n],), np.dtype(f"u{stored.itemsize}")) for n in names}}
         row_bytes = 4 + sum(run.tensors[n] * stored.itemsize for n in names)
         self._settings = dict(seed=int(seed), shuffle=bool(shuffle), buffer=int(buffer),
                               piece_tokens=None if self.whole else max(int(piece_bytes) // row_bytes, 1),
@@ -267,13 +270,14 @@ class TokenBatches:
             self._pos, self._shard_counts = Position(self._pos.epoch + 1, 0, 0), None
 
     def _serve(self, order: Order, plan: list[list[shuffle.Piece]], sidecars: dict) -> Iterator[dict[str, Any]]:
+        """The epoch's batches from self._pos on; pieces are read `prefetch` ahead of the group served."""
         epoch, start = self._pos.epoch, self._pos
         todo = [p for g in range(start.group, len(plan)) for p in plan[g]]
         pending: collections.deque[Future] = collections.deque()
         submitted = boundary = 0
         pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="harvest-read")
-        carry: list[dict[str, np.ndarray]] = []
-        carried = 0
+        out: dict[str, np.ndarray] | None = None
+        filled = 0
         try:
             for g in range(start.group, len(plan)):
                 boundary += len(plan[g])
@@ -282,40 +286,50 @@ class TokenBatches:
                     pending.append(pool.submit(self._read_piece, piece, sidecars[(piece.stream, piece.shard)],
                                                order.exclude))
                     submitted += 1
-                parts = [pending.popleft().result() for _ in plan[g]]
-                cols = {k: np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in self.keys}
-                del parts
-                n = len(cols["tokens"])
-                perm = shuffle.row_order(n, order.seed, epoch, order.rank, order.worker, g, order.shuffle)
+                group = Group([pending.popleft().result() for _ in plan[g]])
+                perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle)
                 row = start.row if g == start.group else 0
-                while row < n:
-                    take = min(self.batch_size - carried, n - row)
-                    rows = perm[row:row + take] if order.shuffle else slice(row, row + take)
-                    carry.append({k: v[rows] for k, v in cols.items()})
-                    carried += take
+                while row < group.rows:
+                    if out is None:
+                        out = {k: np.empty((self.batch_size, *shape), dtype) for k, (shape, dtype) in self._raw.items()}
+                        filled = 0
+                    take = min(self.batch_size - filled, group.rows - row)
+                    group.gather(perm[row:row + take], out, filled)
+                    filled += take
                     row += take
-                    if carried == self.batch_size:
-                        self._pos = Position(epoch, g, row) if row < n else Position(epoch, g + 1, 0)
-                        yield self._emit(carry)
-                        carry, carried = [], 0
-            if carried and not self.drop_last:
+                    if filled == self.batch_size:
+                        self._pos = Position(epoch, g, row) if row < group.rows else Position(epoch, g + 1, 0)
+                        yield self._emit(out)
+                        out = None
+                del group
+            if out is not None and filled and not self.drop_last:
                 self._pos = Position(epoch, len(plan), 0)
-                yield self._emit(carry)
+                yield self._emit({k: v[:filled] for k, v in out.items()})
         finally:
             for f in pending:
                 f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _emit(self, parts: list[dict[str, np.ndarray]]) -> dict[str, Any]:
-        cols = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in self.keys}
+    def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
+        """A gathered batch in the stored dtypes' bits -> normalized, cast, converted."""
+        cols = {"tokens": raw["tokens"]}
+        for n in self.names:
+            x = raw[n].view(self._stored)
+            if n in self._affine:
+                shift, scale = self._affine[n]
+                x = ((x.astype(np.float32) - shift) * scale).astype(self.out_dtype, copy=False)
+            elif x.dtype != self.out_dtype:
+                x = x.astype(self.out_dtype)
+            cols[n] = x
         return {k: self.convert(v) for k, v in cols.items()}
 
     # reading ---------------------------------------------------------------------------------------------
-    def _read_piece(self, piece: shuffle.Piece, sc: dict[str, Any], exclude: tuple[int, ...]) -> dict[str, np.ndarray]:
-        """A piece's rows, filtered, normalized and cast: runs in the reading threads."""
+    def _read_piece(self, piece: shuffle.Piece, sc: dict[str, Any], exclude: tuple[int, ...]) -> Part:
+        """A piece's rows (views of mapped or fetched bytes, as unsigned ints of the stored width) and which
+        of them to serve: runs in the reading threads."""
         rel = self.run.shard_path(sc)
         try:
-            cols = self._whole(rel, sc) if self.whole else self._ranged(rel, sc, piece)
+            cols = self._whole(rel, sc, piece) if self.whole else self._ranged(rel, sc, piece)
         except (ValueError, FileNotFoundError) as e:
             if self.on_corrupt == "stop":
                 raise CorruptShardError(f"{self.run.url}/{rel}: {e}; run `harvest verify {self.run.url}`, or read "
@@ -323,53 +337,104 @@ class TokenBatches:
             log.warning("%s/%s: %s; skipped", self.run.url, rel, e)
             with self._lock:
                 self.skipped_shards.add(rel)
-            return {"tokens": np.zeros(0, np.int32),
-                    **{n: np.zeros((0, self.run.tensors[n]), self.out_dtype) for n in self.names}}
+            return Part({k: np.empty((0, *shape), dtype) for k, (shape, dtype) in self._raw.items()}, None)
+        cols = {k: v.view(self._raw[k][1]) for k, v in cols.items()}
+        keep = None
         if exclude:
-            keep = ~np.isin(cols["tokens"], exclude)
-            if not keep.all():
-                cols = {k: v[keep] for k, v in cols.items()}
-        for n in self.names:
-            if n in self._affine:
-                shift, scale = self._affine[n]
-                cols[n] = ((cols[n].astype(np.float32) - shift) * scale).astype(self.out_dtype, copy=False)
-            elif cols[n].dtype != self.out_dtype:
-                cols[n] = cols[n].astype(self.out_dtype)
-        return cols
+            mask = ~np.isin(cols["tokens"], exclude)
+            keep = None if mask.all() else np.flatnonzero(mask)
+        return Part(cols, keep)
 
-    def _whole(self, rel: str, sc: dict[str, Any]) -> dict[str, np.ndarray]:
-        data = self.run.storage.read_bytes(rel)
-        if len(data) != int(sc["bytes"]) or fmt.sha256(data) != sc.get("sha256"):
-            raise ValueError(f"{len(data)} bytes whose sha256 does not match its sidecar "
+    def _whole(self, rel: str, sc: dict[str, Any], piece: shuffle.Piece) -> dict[str, np.ndarray]:
+        buf = self._bytes(rel)
+        if len(buf) != int(sc["bytes"]) or fmt.sha256(buf) != sc.get("sha256"):
+            raise ValueError(f"{len(buf)} bytes whose sha256 does not match its sidecar "
                              f"({sc['bytes']} bytes, sha256 {str(sc.get('sha256'))[:12]}...)")
-        tensors = fmt.decode_shard(data)
-        return {k: tensors[k] for k in self.keys}
+        layout = parse_header(buf[:HEAD_GUESS])
+        if isinstance(layout, int):
+            layout = parse_header(buf[:layout])
+        self._check_layout(layout, sc)
+        return {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
 
     def _ranged(self, rel: str, sc: dict[str, Any], piece: shuffle.Piece) -> dict[str, np.ndarray]:
         layout = self._layout(rel, sc)
+        if self.run.storage.is_local:
+            buf = self._bytes(rel)
+            cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+            for v in cols.values():
+                prefault(v)
+            return cols
         return {k: read_rows(self.run.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
 
+    def _bytes(self, rel: str):
+        """A whole shard: memory-mapped locally (the page cache, no copy), else one read."""
+        storage = self.run.storage
+        if storage.is_local:
+            return map_file(storage.path(rel))
+        return storage.read_bytes(rel)
+
     def _layout(self, rel: str, sc: dict[str, Any]) -> ShardLayout:
-        """A shard's header, read once per reader and checked against its sidecar and run.json."""
+        """A shard's header, read once per reader and checked against its sidecar, run.json and the file."""
         with self._lock:
             known = self._layouts.get(rel)
         if known is not None:
             return known
         layout = read_layout(self.run.storage, rel)
+        self._check_layout(layout, sc)
+        size = self.run.storage.size(rel)
+        if size != int(sc["bytes"]):
+            raise ValueError(f"the file is {size} bytes, its sidecar says {sc['bytes']} (cut short or replaced)")
+        with self._lock:
+            self._layouts[rel] = layout
+        return layout
+
+    def _check_layout(self, layout: ShardLayout, sc: dict[str, Any]) -> None:
         fields, tokens = layout.fields, int(sc["tokens"])
         if (fields.get("stream"), fields.get("shard")) != (str(sc["stream"]), str(sc["shard"])):
             raise ValueError(f"its header names stream {fields.get('stream')} shard {fields.get('shard')}")
         if layout.size != int(sc["bytes"]):
             raise ValueError(f"its header describes {layout.size} bytes, its sidecar {sc['bytes']}")
-        size = self.run.storage.size(rel)
-        if size != int(sc["bytes"]):
-            raise ValueError(f"the file is {size} bytes, its sidecar says {sc['bytes']} (cut short or replaced)")
         for k in self.keys:
             span = layout.tensors.get(k)
             want = (tokens,) if k == "tokens" else (tokens, self.run.tensors[k])
             if span is None or span.shape != want:
                 raise ValueError(f"tensor {k!r} is {'missing' if span is None else list(span.shape)}, "
                                  f"the sidecar and run.json say {list(want)}")
-        with self._lock:
-            self._layouts[rel] = layout
-        return layout
+            if k != "tokens" and span.dtype != self._stored:
+                raise ValueError(f"tensor {k!r} is {span.dtype}, run.json says {self.run.dtype}")
+
+
+@dataclasses.dataclass
+class Part:
+    """A piece as read: its columns (all its rows) and the rows to serve (None: all)."""
+
+    cols: dict[str, np.ndarray]
+    keep: np.ndarray | None
+
+    @property
+    def rows(self) -> int:
+        return len(self.cols["tokens"]) if self.keep is None else len(self.keep)
+
+
+class Group:
+    """The parts mixed together: served rows numbered 0..rows-1 across them, gathered part by part."""
+
+    def __init__(self, parts: list[Part]):
+        self.parts = parts
+        self.starts = np.cumsum([0, *(p.rows for p in parts)])
+        self.rows = int(self.starts[-1])
+
+    def gather(self, rows: np.ndarray, out: dict[str, np.ndarray], at: int) -> None:
+        """Copy served rows `rows` into out[k][at:at+len(rows)]: one copy, straight from the mapped or
+        fetched bytes. A batch holds its rows grouped by part (the set is the shuffled sample)."""
+        part_of = np.searchsorted(self.starts, rows, side="right") - 1
+        local = rows - self.starts[part_of]
+        ordered = np.lexsort((local, part_of))
+        part_of, local = part_of[ordered], local[ordered]
+        bounds = np.searchsorted(part_of, np.arange(len(self.parts) + 1))
+        for j in np.flatnonzero(np.diff(bounds)):
+            lo, hi = bounds[j], bounds[j + 1]
+            part = self.parts[j]
+            idx = local[lo:hi] if part.keep is None else part.keep[local[lo:hi]]
+            for k, v in part.cols.items():
+                np.take(v, idx, axis=0, out=out[k][at + lo:at + hi])

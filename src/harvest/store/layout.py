@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import struct
 
 import numpy as np
@@ -92,5 +93,29 @@ def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) ->
     start, end = span.rows(lo, hi)
     data = storage.read_range(rel, start, end) if end > start else b""
     if len(data) != end - start:
-        raise ValueError(f"file ends {end - start - len(data)} bytes short of what its header describes")
+        raise ValueError(f"the file ends {end - start - len(data)} bytes short of what its header describes")
     return np.frombuffer(data, span.dtype).reshape((hi - lo, *span.shape[1:]))
+
+
+def rows_of(buf, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of one tensor of a whole file held in `buf` (bytes or a memory map), without a copy."""
+    start, end = span.rows(lo, hi)
+    if end > len(buf):
+        raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
+    count = (hi - lo) * (span.row_bytes // span.dtype.itemsize)
+    return np.frombuffer(buf, span.dtype, count=count, offset=start).reshape((hi - lo, *span.shape[1:]))
+
+
+def map_file(path: str) -> mmap.mmap:
+    """A local file mapped read-only: its pages come from the page cache, copied once, where they are used.
+    Committed shards are never rewritten in place (writes are temp file + rename), so a map stays valid."""
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            raise ValueError("the file is empty")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def prefault(arr: np.ndarray) -> None:
+    """Touch one byte per page of a mapped array, so the reading thread, not the consumer, waits for the disk."""
+    if arr.size:
+        int(arr.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum())
