@@ -284,3 +284,83 @@ def test_bad_input_is_one_line(written, tmp_path):
         assert "\n" not in str(err)
     with pytest.raises(ValueError, match="rank must be in"):
         run.token_batches(8, rank=3, world=3)
+
+
+# the trainers people use ---------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_saelens_trainer_steps_fed_by_the_reader(written):
+    pytest.importorskip("sae_lens", reason="the test extras install sae-lens")
+    import torch
+    from sae_lens import SAETrainer, TopKTrainingSAE, TopKTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+
+    run = open_run(written.storage.url)
+    fed = []
+
+    def rows():  # SAETrainer takes any iterator of [batch, d] tensors
+        for batch in run.token_batches(32, "resid_post.3", epochs=None, normalize="norm", as_torch=True):
+            fed.append(batch["tokens"])
+            yield batch["resid_post.3"]
+
+    torch.manual_seed(0)
+    sae = TopKTrainingSAE(TopKTrainingSAEConfig(d_in=24, d_sae=48, k=4, normalize_activations="none"))
+    before = sae.W_dec.detach().clone()
+    trainer = SAETrainer(SAETrainerConfig(total_training_samples=32 * 6, train_batch_size_samples=32, lr=1e-3,
+                                         lr_end=1e-3),
+                         sae, rows())
+    trained = trainer.fit()
+    assert trainer.n_training_steps == 6 and len(fed) == 6 and all(len(t) == 32 for t in fed)
+    assert torch.isfinite(trained.W_dec).all() and not torch.equal(trained.W_dec, before)
+
+
+@pytest.mark.timeout(300)
+def test_sparsify_sparse_coder_steps_fed_by_the_reader(written):
+    pytest.importorskip("sparsify", reason="the test extras install eai-sparsify")
+    import torch
+    from sparsify import SparseCoder, SparseCoderConfig
+
+    run = open_run(written.storage.url)
+    torch.manual_seed(0)
+    coder = SparseCoder(24, SparseCoderConfig(k=4, num_latents=48))
+    opt = torch.optim.Adam(coder.parameters(), lr=3e-3)
+    fvu = []
+    batches = run.token_batches(64, "resid_post.3", epochs=None, dtype="float32", as_torch=True)
+    for _, batch in zip(range(40), batches):
+        out = coder(batch["resid_post.3"])
+        out.fvu.backward()
+        coder.remove_gradient_parallel_to_decoder_directions()
+        opt.step()
+        opt.zero_grad()
+        coder.set_decoder_norm_to_unit_norm()
+        fvu.append(float(out.fvu.detach()))
+    assert np.mean(fvu[-5:]) < 0.9 * np.mean(fvu[:5])  # it learns from what it is fed
+
+
+# a real extraction --------------------------------------------------------------------------------------
+def test_an_extracted_chat_run_leaves_its_special_tokens_out(tmp_path):
+    import shutil
+
+    import hf_reference as ref
+
+    from harvest.config import ExtractConfig
+    from harvest.demo import demo_checkpoint
+    from harvest.extract.job import run_extract
+
+    ckpt = ref.build_checkpoint("qwen2", tmp_path / "qwen2", num_layers=2, overrides={"vocab_size": 320})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_checkpoint(tmp_path / "demo") / name, ckpt / name)
+    chats = [{"messages": [{"role": "user", "content": f"What is {i}+{i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+             for i in range(4)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    run_extract(ExtractConfig(model=str(ckpt), data=str(tmp_path / "chat.jsonl"), out=str(tmp_path / "out"),
+                              points="resid_post:1", format="chat", dtype="float32", max_seq_len=64, batch_size=2,
+                              shard_size="4KB").validate())
+    run = open_run(str(tmp_path / "out"))
+    special = set(run.info["special_token_ids"])
+    stored = np.concatenate([run.read_shard(sc)["tokens"] for sc in run.shards])
+    assert special and np.isin(stored, list(special)).sum() >= 4 * 4  # <|im_start|>/<|im_end|> per message
+    tokens, batches = served(run.token_batches(8, seed=1))
+    assert sorted(tokens) == sorted(t for t in stored.tolist() if t not in special)
+    rows = {(int(s.tokens[j]), s.activations["resid_post.1"][j].tobytes()) for s in run.iter_samples()
+            for j in range(len(s))}
+    assert all((t, b["resid_post.1"][i].tobytes()) in rows for b in batches for i, t in enumerate(b["tokens"]))
