@@ -8,13 +8,15 @@ group's rows in the group's permuted order, so a batch may span two groups and e
 has exactly `batch_size` rows.
 
 What is checked, and when. A shard's sidecar holds the sha256 of the whole file, which no part of the
-file can be checked against. `verify="sha256"` reads whole shards and checks it (pieces are then whole
-shards). `verify="header"` reads only the ranges asked for and checks what they can show: the header
-parses, names this shard, describes the sidecar's byte count and token count and the run's widths, the
-file has the sidecar's length, and every range arrives whole. `verify="auto"` (default) takes "sha256" when the tensors asked for are at
-least half of a shard's bytes (reading the rest costs less than 2x) and "header" otherwise; bit flips
-inside a ranged tensor are then `harvest verify`'s to find. A shard that fails stops the reader with
-one line naming it, or with `on_corrupt="skip"` is left out and counted in `skipped_shards`.
+file can be checked against. Every shard's header is checked before its first piece is served: it parses,
+names this shard, describes the sidecar's byte count and token count and the run's widths and dtype, the
+file has the sidecar's length, and every range arrives whole. `verify="sha256"` also hashes the whole
+file once per reader (streamed, in the reading threads; locally from the page cache), so bit flips are
+caught too, at the cost of reading the tensors not asked for once. `verify="auto"` (default) hashes when
+the tensors asked for are at least half of a shard's bytes (the extra read is then less than the data
+served, in the first epoch only), and leaves bit flips inside a few tensors of many to `harvest verify`.
+A shard that fails stops the reader with one line naming it, or with `on_corrupt="skip"` is left out and
+counted in `skipped_shards`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store import shuffle
-from harvest.store.layout import HEAD_GUESS, ShardLayout, map_file, parse_header, prefault, read_layout, read_rows, rows_of
+from harvest.store.layout import ShardLayout, file_sha256, map_file, prefault, read_layout, read_rows, rows_of
 
 if TYPE_CHECKING:
     from harvest.store.reader import Run
@@ -70,7 +72,7 @@ class Order:
     seed: int
     shuffle: bool
     buffer: int  # pieces mixed per group
-    piece_tokens: int | None  # None: whole shards
+    piece_tokens: int
     rank: int
     world: int
     worker: int
@@ -142,13 +144,13 @@ class TokenBatches:
         self.prefetch, self.io_threads, self.on_corrupt = max(int(prefetch), 0), int(io_threads), on_corrupt
         stored = np.dtype(fmt.DTYPES.get(run.dtype, np.float32))
         self.out_dtype = np.dtype(fmt.DTYPES[dtype]) if dtype else (np.dtype(np.float32) if normalize else stored)
-        self.whole = self._whole_shards(verify, stored)
+        self.hash = self._hash_shards(verify, stored)
         self._stored = stored
         self._raw = {"tokens": ((), np.dtype(np.int32)),  # gathered as unsigned ints: the same bits, a fast copy
                      **{n: ((run.tensors[n],), np.dtype(f"u{stored.itemsize}")) for n in names}}
         row_bytes = 4 + sum(run.tensors[n] * stored.itemsize for n in names)
         self._settings = dict(seed=int(seed), shuffle=bool(shuffle), buffer=int(buffer),
-                              piece_tokens=None if self.whole else max(int(piece_bytes) // row_bytes, 1),
+                              piece_tokens=max(int(piece_bytes) // row_bytes, 1),
                               rank=int(rank), world=int(world),
                               exclude=tuple(sorted(set(self._excluded(exclude)))),
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
@@ -158,13 +160,13 @@ class TokenBatches:
         self._first_epoch = int(epoch)
         self._shard_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
         self._loaded_order: Order | None = None
-        self._layouts: dict[str, ShardLayout] = {}
+        self._layouts: dict[str, Future] = {}  # shard -> its checked ShardLayout, once per reader
         self._lock = threading.Lock()
         self.skipped_shards: set[str] = set()
         self.shards_seen = 0
 
     # settings --------------------------------------------------------------------------------------------
-    def _whole_shards(self, verify: str, stored: np.dtype) -> bool:
+    def _hash_shards(self, verify: str, stored: np.dtype) -> bool:
         if verify != "auto":
             return verify == "sha256"
         asked = sum(self.run.tensors[n] for n in self.names) * stored.itemsize + 4
@@ -329,7 +331,7 @@ class TokenBatches:
         of them to serve: runs in the reading threads."""
         rel = self.run.shard_path(sc)
         try:
-            cols = self._whole(rel, sc, piece) if self.whole else self._ranged(rel, sc, piece)
+            cols = self._ranged(rel, sc, piece)
         except (ValueError, FileNotFoundError) as e:
             if self.on_corrupt == "stop":
                 raise CorruptShardError(f"{self.run.url}/{rel}: {e}; run `harvest verify {self.run.url}`, or read "
@@ -345,50 +347,39 @@ class TokenBatches:
             keep = None if mask.all() else np.flatnonzero(mask)
         return Part(cols, keep)
 
-    def _whole(self, rel: str, sc: dict[str, Any], piece: shuffle.Piece) -> dict[str, np.ndarray]:
-        buf = self._bytes(rel)
-        if len(buf) != int(sc["bytes"]) or fmt.sha256(buf) != sc.get("sha256"):
-            raise ValueError(f"{len(buf)} bytes whose sha256 does not match its sidecar "
-                             f"({sc['bytes']} bytes, sha256 {str(sc.get('sha256'))[:12]}...)")
-        layout = parse_header(buf[:HEAD_GUESS])
-        if isinstance(layout, int):
-            layout = parse_header(buf[:layout])
-        self._check_layout(layout, sc)
-        return {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
-
     def _ranged(self, rel: str, sc: dict[str, Any], piece: shuffle.Piece) -> dict[str, np.ndarray]:
         layout = self._layout(rel, sc)
-        if self.run.storage.is_local:
-            buf = self._bytes(rel)
-            cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
-            for v in cols.values():
-                prefault(v)
-            return cols
-        return {k: read_rows(self.run.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
-
-    def _bytes(self, rel: str):
-        """A whole shard: memory-mapped locally (the page cache, no copy), else one read."""
         storage = self.run.storage
-        if storage.is_local:
-            return map_file(storage.path(rel))
-        return storage.read_bytes(rel)
+        if not storage.is_local:
+            return {k: read_rows(storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+        buf = map_file(storage.path(rel))  # the page cache, copied once: where a batch gathers its rows
+        cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+        for v in cols.values():
+            prefault(v)
+        return cols
 
     def _layout(self, rel: str, sc: dict[str, Any]) -> ShardLayout:
-        """A shard's header, read once per reader and checked against its sidecar, run.json and the file."""
+        """A shard's header, read and checked once per reader (and its sha256 when hashing), whichever
+        reading thread gets there first; the others wait for it."""
         with self._lock:
             known = self._layouts.get(rel)
-        if known is not None:
-            return known
-        layout = read_layout(self.run.storage, rel)
-        self._check_layout(layout, sc)
-        size = self.run.storage.size(rel)
-        if size != int(sc["bytes"]):
-            raise ValueError(f"the file is {size} bytes, its sidecar says {sc['bytes']} (cut short or replaced)")
-        with self._lock:
-            self._layouts[rel] = layout
-        return layout
+            if known is None:
+                known = self._layouts[rel] = Future()
+                mine = True
+            else:
+                mine = False
+        if mine:
+            try:
+                known.set_result(self._check(rel, sc))
+            except BaseException as e:
+                known.set_exception(e)
+        return known.result()
 
-    def _check_layout(self, layout: ShardLayout, sc: dict[str, Any]) -> None:
+    def _check(self, rel: str, sc: dict[str, Any]) -> ShardLayout:
+        """The shard's header against its sidecar and run.json, its size, and with hashing its sha256.
+        Raises ValueError naming what does not match."""
+        storage = self.run.storage
+        layout = read_layout(storage, rel)
         fields, tokens = layout.fields, int(sc["tokens"])
         if (fields.get("stream"), fields.get("shard")) != (str(sc["stream"]), str(sc["shard"])):
             raise ValueError(f"its header names stream {fields.get('stream')} shard {fields.get('shard')}")
@@ -402,6 +393,12 @@ class TokenBatches:
                                  f"the sidecar and run.json say {list(want)}")
             if k != "tokens" and span.dtype != self._stored:
                 raise ValueError(f"tensor {k!r} is {span.dtype}, run.json says {self.run.dtype}")
+        size = storage.size(rel)
+        if size != int(sc["bytes"]):
+            raise ValueError(f"the file is {size} bytes, its sidecar says {sc['bytes']} (cut short or replaced)")
+        if self.hash and file_sha256(storage, rel) != sc.get("sha256"):
+            raise ValueError(f"its sha256 does not match its sidecar's ({str(sc.get('sha256'))[:12]}...)")
+        return layout
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ one contiguous byte range: a piece of a shard costs one ranged read per tensor a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import mmap
 import struct
@@ -119,3 +120,14 @@ def prefault(arr: np.ndarray) -> None:
     """Touch one byte per page of a mapped array, so the reading thread, not the consumer, waits for the disk."""
     if arr.size:
         int(arr.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum())
+
+
+def file_sha256(storage: Storage, rel: str) -> str:
+    """A whole file's sha256, streamed (locally from a memory map, with no copy)."""
+    if storage.is_local:
+        return hashlib.sha256(map_file(storage.path(rel))).hexdigest()
+    digest = hashlib.sha256()
+    with storage.open_binary(rel) as f:
+        while chunk := f.read(8 * 2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
