@@ -7,11 +7,14 @@ storage, in alternating rounds (best round shown):
   raw        every shard file read whole, one after the other, one thread (local: open/read, page cache
              warm; GCS/S3: one GET per file): the ceiling a plain loop reaches. Tokens/s counts the tokens
              those bytes hold.
-  all/sha256 token_batches over every tensor, shuffled, verify="auto" (whole shards, sha256 checked)
-  all/ranged the same with verify="header" (one ranged read per tensor and piece, no hash)
+  all/sha256 token_batches over every tensor, shuffled, verify="auto": each shard's sha256 checked once
+             (streamed), then pieces read as ranges
+  all/ranged the same with verify="header" (header, size and shape checks only)
   one/ranged one tensor of the shards' `--tensors`: only its bytes are read
 
 GB/s counts the bytes of the tensors served (tokens included) per second; ratio = tokens/s over raw's.
+The GCS and S3 servers here are single-process Python emulators: their cost per request, not the network,
+sets the remote numbers (one GET per file for raw against one per tensor and piece for the reader).
 Every batch is a fresh array (gathered rows), so nothing is left lazy.
 
 Run:  .venv/bin/python bench/reader.py            (~2-3 minutes on 2 CPU cores)

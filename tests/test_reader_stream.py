@@ -242,6 +242,19 @@ def test_a_run_still_being_written(tmp_path, caplog):
     assert len(np.concatenate(first + second[:1])) == 29 and len(np.concatenate(second[1:])) == 29 + 14
 
 
+def test_ranks_given_one_snapshot_split_a_growing_run_exactly_once(tmp_path):
+    w = RunWriter(str(tmp_path / "run"), streams=2)
+    w.shard(0, [30, 20])
+    w.shard(1, [25, 5])
+    early = open_run(w.storage.url)  # rank 0 lists the run now, rank 1 after one more commit
+    snapshot = early.snapshot()
+    w.shard(1, [40], final=True)
+    late = open_run(w.storage.url)
+    settings = dict(seed=4, world=2, piece_bytes=PIECE, exclude=[], snapshot=snapshot)
+    tokens = served(early.token_batches(8, rank=0, **settings))[0] + served(late.token_batches(8, rank=1, **settings))[0]
+    assert sorted(tokens) == sorted(int(t) for sc in early.shards for t in early.read_shard(sc)["tokens"])
+
+
 def test_a_corrupt_shard_stops_the_reader_or_is_skipped(written):
     rel = "stream_00001/shard_000000.safetensors"
     lost = {int(t) for t in fmt.decode_shard(written.storage.read_bytes(rel))["tokens"]}

@@ -121,7 +121,8 @@ class TokenBatches:
 
     def __init__(self, run: Run, batch_size: int, names: list[str], *, seed: int, shuffle: bool, buffer: int,
                  piece_bytes: int, rank: int, world: int, worker: int | None, workers: int | None,
-                 exclude: Sequence[int] | None, streams: Sequence[int] | None, epoch: int, epochs: int | None,
+                 exclude: Sequence[int] | None, streams: Sequence[int] | None, snapshot: dict[int, int] | None,
+                 epoch: int, epochs: int | None,
                  drop_last: bool, dtype: str | None, normalize: str | None, verify: str, on_corrupt: str,
                  prefetch: int, io_threads: int, convert: Callable[[np.ndarray], Any]):
         for value, what in ((batch_size, "batch_size"), (buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
@@ -159,6 +160,7 @@ class TokenBatches:
         self._pos = Position(int(epoch), 0, 0)
         self._first_epoch = int(epoch)
         self._shard_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
+        self._snapshot = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
         self._loaded_order: Order | None = None
         self._layouts: dict[str, Future] = {}  # shard -> its checked ShardLayout, once per reader
         self._lock = threading.Lock()
@@ -229,11 +231,11 @@ class TokenBatches:
 
     # the plan --------------------------------------------------------------------------------------------
     def _epoch_shards(self, order: Order) -> list[dict[str, Any]]:
-        """The epoch's shards: as the state fixed them, else every shard committed now (re-listed when the
-        run is still being written)."""
+        """The epoch's shards: as the state or the snapshot fixed them, else every shard committed now
+        (re-listed when the run is still being written)."""
         run = self.run
         wanted = None if order.streams is None else set(order.streams)
-        counts = self._shard_counts
+        counts = self._shard_counts if self._shard_counts is not None else self._snapshot
         if counts is None and self._pos.epoch > self._first_epoch and not all(run.done(s) for s in run.streams):
             run.refresh()
         if counts is not None and any(len(run.shards_of(s)) < n for s, n in counts.items()):
@@ -243,8 +245,8 @@ class TokenBatches:
             counts = {s: len(scs) for s, scs in by_stream.items()}
         for s, n in counts.items():
             if len(by_stream.get(s, [])) < n:
-                raise StateError(f"{run.url}: the reader state names {n} shards of stream {s}, the run has "
-                                 f"{len(by_stream.get(s, []))}: not this run's state")
+                raise StateError(f"{run.url}: the reader state or snapshot names {n} shards of stream {s}, the run "
+                                 f"has {len(by_stream.get(s, []))}: not this run's")
         self._shard_counts = counts
         shards = [sc for s in sorted(counts) for sc in by_stream[s][:counts[s]]]
         tokens = sum(int(sc["tokens"]) for sc in shards)

@@ -1,5 +1,9 @@
 """Token batches as global JAX arrays over a mesh's data axes: each host reads its own share of the run
-(rank = process index, world = process count) and places it on its own devices; no host reads another's."""
+(rank = process index, world = process count) and places it on its own devices; no host reads another's.
+
+Every host must make the same number of steps: hosts' shares of an epoch differ by up to a piece, so train
+for a number of steps over `epochs=None` (as SAE trainers count tokens), and give every host the same
+`snapshot=` when the run is still being written."""
 
 from __future__ import annotations
 

@@ -316,6 +316,11 @@ class Run:
         """Sidecars of one stream's committed shards, in order."""
         return list(self._by_stream.get(stream, []))
 
+    def snapshot(self) -> dict[int, int]:
+        """{stream: committed shards} now: give every rank the same one (token_batches(snapshot=...)) when
+        training on a run still being written, so that all ranks split the same shards."""
+        return {s: len(scs) for s, scs in self._by_stream.items()}
+
     def token_batches(
         self,
         batch_size: int,
@@ -341,6 +346,7 @@ class Run:
         on_corrupt: str = "stop",
         as_torch: bool = False,
         streams: Sequence[int] | None = None,
+        snapshot: dict[int, int] | None = None,
     ) -> TokenBatches:
         """Token rows for SAE training: {name: [batch, d], "tokens": [batch]}, numpy (or torch with as_torch).
 
@@ -350,7 +356,9 @@ class Run:
         consumer mixes the rows of `shard_buffer` pieces at a time. Memory: about (shard_buffer + prefetch)
         pieces. Over an epoch every committed token (less `exclude`, by default the run's special tokens)
         is served once across all consumers; the last batch is short unless drop_last. `epochs=None`
-        repeats for ever, each epoch in a new order, picking up shards committed meanwhile.
+        repeats for ever, each epoch in a new order, picking up shards committed meanwhile; `snapshot`
+        (from `Run.snapshot()`, the same on every rank) pins the shards instead: ranks that list a run still
+        being written at different moments would otherwise split different sets.
         `dtype` casts on the way out; `normalize` ("standardize": per dimension, "norm": E||x||^2 = d)
         uses the run's own stats. `verify`, `on_corrupt`: see store/batches.py.
         The result is an iterable with state_dict()/load_state_dict() for resuming mid-epoch.
@@ -358,9 +366,9 @@ class Run:
         names = self._check_names([tensors] if isinstance(tensors, str) else list(tensors or self.tensors))
         return TokenBatches(
             self, batch_size, names, seed=seed, shuffle=shuffle, buffer=shard_buffer, piece_bytes=piece_bytes,
-            rank=rank, world=world, worker=worker, workers=workers, exclude=exclude, streams=streams, epoch=epoch,
-            epochs=epochs, drop_last=drop_last, dtype=dtype, normalize=normalize, verify=verify,
-            on_corrupt=on_corrupt, prefetch=prefetch, io_threads=io_threads,
+            rank=rank, world=world, worker=worker, workers=workers, exclude=exclude, streams=streams,
+            snapshot=snapshot, epoch=epoch, epochs=epochs, drop_last=drop_last, dtype=dtype, normalize=normalize,
+            verify=verify, on_corrupt=on_corrupt, prefetch=prefetch, io_threads=io_threads,
             convert=_torch_converter() if as_torch else (lambda a: a))
 
     def torch_dataset(self, batch_size: int, tensors: Sequence[str] | str | None = None, **kwargs: Any):
