@@ -1,11 +1,12 @@
 """Shuffled token batches for training SAEs, probes and transcoders: streamed, split, resumable.
 
 `TokenBatches` walks the order of store/shuffle.py. Pieces are read ahead in threads (`prefetch` pieces
-beyond the group being served), each as one ranged read per tensor asked for (store/layout.py), so
-memory holds about (buffer + prefetch) pieces of `piece_bytes`, whatever the shard size. Rows are
-filtered (special tokens), normalized and cast in the reading threads; batches are gathered from a
-group's rows in the group's permuted order, so a batch may span two groups and every batch but the last
-has exactly `batch_size` rows.
+beyond the group being served): from object storage as one ranged read per tensor asked for
+(store/layout.py), from local disk as views of the memory-mapped file whose pages the reading thread
+faults in. Memory holds about (buffer + prefetch) pieces of `piece_bytes`, whatever the shard size. The
+reading thread also finds the rows to leave out (special tokens). Each batch is gathered straight from
+those bytes in the group's permuted order (one copy; a batch's rows come grouped by piece), then
+normalized and cast. A batch may span two groups; every batch but the last has exactly `batch_size` rows.
 
 What is checked, and when. A shard's sidecar holds the sha256 of the whole file, which no part of the
 file can be checked against. Every shard's header is checked before its first piece is served: it parses,

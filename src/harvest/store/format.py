@@ -16,8 +16,8 @@ holds a contiguous run of one stream's pieces; its sidecar records `start`/`next
 
 run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
-dtype, compute_dtype, max_seq_len, long, format, data: {source, num_streams, counts (null when
-unknown)}, config (every setting), config_sha256}.
+special_token_ids (left out of SAE batches), dtype, compute_dtype, max_seq_len, long, format, data: {source,
+num_streams, counts (null when unknown)}, config (every setting), config_sha256}.
 
 progress.json: {stream, records_done, total (null when unknown), samples, tokens, shards,
 tokens_per_s, worker, updated_at (ISO 8601 UTC), done}.

@@ -10,7 +10,8 @@ for batch in run.token_batches(4096, ["resid_post.20"], seed=0, epochs=None):   
 ```
 Only committed shards exist: a shard is read when its sidecar (`shard_NNNNNN.json`) is there, whatever
 else lies in the stream directory. All I/O goes through `Storage`; shards are decoded with safetensors
-from bytes (no pickle, nothing eval'd).
+from bytes (no pickle, nothing eval'd), or for token batches read as the byte ranges of the tensors asked
+for (store/batches.py: order, split, resume; store/layout.py: where each tensor lies).
 """
 
 from __future__ import annotations
