@@ -436,5 +436,5 @@ class Group:
             lo, hi = bounds[j], bounds[j + 1]
             part = self.parts[j]
             idx = local[lo:hi] if part.keep is None else part.keep[local[lo:hi]]
-            for k, v in part.cols.items():
-                np.take(v, idx, axis=0, out=out[k][at + lo:at + hi])
+            for k, v in part.cols.items():  # mode="clip": indices are valid, and "raise" would copy twice
+                np.take(v, idx, axis=0, out=out[k][at + lo:at + hi], mode="clip")
