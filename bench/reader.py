@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from harvest.store import format as fmt  # noqa: E402
 from harvest.store.fs import Storage  # noqa: E402
 from harvest.store.reader import open_run  # noqa: E402
+from harvest.store.records import Sidecar  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -70,9 +71,9 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
                                 {"stream": str(stream), "shard": str(index)})
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(index)}"
         storage.write_bytes(rel + ".safetensors", data)
-        storage.write_json(rel + ".json", fmt.sidecar(
-            stream=stream, shard=index, data=data, start=(0, 0), next=(len(lengths), 0), row_start=(0, 0),
-            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False, records=0))
+        storage.write_bytes(rel + ".json", Sidecar.of_shard(
+            data, stream=stream, shard=index, start=(0, 0), next=(len(lengths), 0), row_start=(0, 0),
+            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False, records=0).to_bytes())
     return next_token
 
 

@@ -10,9 +10,9 @@ Fixtures (load with `pytest_plugins = ["storage_servers"]` in tests/conftest.py)
 - `gcs_proxy`, `s3_proxy`: a `FlakyProxy` in front of the server, with the endpoint variable pointed at it
   for the test; `gcs_proxy_url`, `s3_proxy_url`: a fresh bucket reached through that proxy.
 
-The GCS emulator is started with one addition: it honours `ifGenerationMatch=0` (create only if absent),
-as real GCS does and gcp-storage-emulator 2026.7.19 does not; without it no test could tell a conditional
-create from an overwrite. Both servers are skipped (with the reason) only when not installed.
+The GCS emulator is started with one addition: it honours `ifGenerationMatch` on uploads (=0: create only
+if absent; =N: replace only generation N), as real GCS does and gcp-storage-emulator 2026.7.19 does not;
+without it no test could tell a conditional write from a plain one. Both servers are skipped (with the reason) only when not installed.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from http import HTTPStatus
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
 
-# Real GCS honours ifGenerationMatch=0 ("create only if absent"); this emulator ignores preconditions.
+# Real GCS honours ifGenerationMatch (=0 "create only if absent", =N "replace generation N"); this emulator
+# ignores preconditions.
 # Teach it that one, before its server module binds the handlers. The server handles one request at a
 # time, so the check and the create below cannot interleave with another request.
 _create_only = set()
@@ -66,12 +67,23 @@ def _refuse(response):
     response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
                              "errors": [{"reason": "conditionNotMet", "message": "Precondition Failed"}]}})
 
+def _generation(storage, bucket, name):
+    try:
+        return str(storage.get_file_obj(bucket, name)["generation"])
+    except NotFound:
+        return None
+
 def insert(request, response, storage, *args, **kwargs):
-    if request.query.get("ifGenerationMatch") != ["0"]:
+    wanted = (request.query.get("ifGenerationMatch") or [None])[0]
+    if wanted is None:
         return _insert(request, response, storage, *args, **kwargs)
     name = request.query["name"][0] if "name" in request.query else None
     if name is None and isinstance(request.data, dict):
         name = (request.data.get("meta") or request.data).get("name")
+    if wanted != "0":  # compare-and-swap: only over that very generation
+        if not name or _generation(storage, request.params["bucket_name"], name) != wanted:
+            return _refuse(response)
+        return _insert(request, response, storage, *args, **kwargs)
     if name and _exists(storage, request.params["bucket_name"], name):
         return _refuse(response)
     out = _insert(request, response, storage, *args, **kwargs)

@@ -43,7 +43,7 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
         (("extract", "--model", "/no/model", "--data", "x.jsonl", "--out", str(tmp_path / "o")),
          "--model /no/model: no such directory"),
         (("streams", "create", "--data", str(data), "--num-streams", "2", "--out", str(data / "sub")),
-         "cannot create the directory (Not a directory)"),
+         f"{data} is a file, not a directory"),
     ):
         result = harvest(*args, tmp_path=tmp_path)
         assert result.returncode == 2

@@ -137,6 +137,21 @@ def test_fsspec_url(tmp_path):
     fs.rm("/harvest-test", recursive=True)
 
 
+def test_sources_on_object_storage_read_through_storage(tmp_path, s3_url):
+    """gzip'd jsonl and parquet (footer read by seeking from the end) on s3:// (moto), read from an offset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harvest.store.fs import Storage
+
+    st = Storage(s3_url)
+    st.write_bytes("src/a.jsonl.gz", gzip.compress(b'{"text": "g0"}\n{"text": "g1"}\n'))
+    pq.write_table(pa.table({"text": [f"p{i}" for i in range(7)]}), tmp_path / "b.parquet", row_group_size=2)
+    st.write_bytes("src/b.parquet", (tmp_path / "b.parquet").read_bytes())
+    got = [(r.sample_id, r.value["text"]) for r in iter_records(f"{s3_url}/src/*", 1)]
+    assert got == [(1, "g1")] + [(2 + i, f"p{i}") for i in range(7)]
+
+
 def test_source_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         list(iter_records(str(tmp_path / "missing.jsonl")))
@@ -246,11 +261,13 @@ def test_streams_refuse_overwrite_and_damage(jsonl, tmp_path):
         create_streams(str(jsonl), 0, str(tmp_path / "t"))
 
 
-def test_streams_seek_by_line_offsets(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_streams_seek_by_line_offsets(tmp_path, monkeypatch, where, request):
     monkeypatch.setattr(streamslib, "INDEX_EVERY", 4)
     src = tmp_path / "big.txt"
     src.write_text("".join(f"line {i}\n" for i in range(50)))
-    ss = create_streams(str(src), 3, str(tmp_path / "s"), buffer_bytes=64)
+    out = str(tmp_path / "s") if where == "local" else request.getfixturevalue("gcs_url") + "/s"
+    ss = create_streams(str(src), 3, out, buffer_bytes=64)
     assert ss.meta["index_every"] == 4 and len(ss.meta["line_offsets"][0]) == 5
     for s in range(3):
         full = list(ss.records(s))

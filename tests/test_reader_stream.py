@@ -20,6 +20,7 @@ from harvest.store import format as fmt
 from harvest.store.batches import CorruptShardError, StateError, UnknownTensorError
 from harvest.store.fs import Storage
 from harvest.store.reader import open_run
+from harvest.store.records import Sidecar
 
 SPECIAL = (0, 1)
 TENSORS = {"resid_post.3": 24, "mlp_out.3": 16}
@@ -55,14 +56,14 @@ class RunWriter:
         k, first = self.shards[stream], self.positions[stream]
         data = fmt.encode_shard(acts, tokens, np.array(lengths), np.arange(first, first + len(lengths)) * self.streams
                                 + stream, np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
-        manifest = fmt.sidecar(stream=stream, shard=k, data=data, start=(first, 0), next=(first + len(lengths), 0),
-                               row_start=(first, 0), samples=len(lengths), tokens=n,
-                               stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=[], long={},
-                               final=final, records=first + len(lengths))
+        manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
+                                    row_start=(first, 0), samples=len(lengths), tokens=n,
+                                    stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=[],
+                                    long={}, final=final, records=first + len(lengths))
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(k)}"
         self.storage.write_bytes(rel + ".safetensors", data)
         if commit:
-            self.storage.write_json(rel + ".json", manifest)
+            self.storage.write_bytes(rel + ".json", manifest.to_bytes())
             self.shards[stream] += 1
             self.positions[stream] += len(lengths)
         return rel + ".safetensors"

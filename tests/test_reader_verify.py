@@ -17,8 +17,9 @@ import pytest
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import open_run
+from harvest.store.records import Sidecar
 from harvest.store.report import inspect, status_rows, status_table, watch
-from harvest.store.verify import exit_code, verify, verify_all
+from harvest.store.verify import verify
 
 TENSORS = {"mlp_out.0": 16, "resid_post.1": 8}
 COUNTS = [9, 8]
@@ -58,13 +59,13 @@ def write_shard(storage: Storage, stream: int, shard: int, pieces: list[Piece], 
                             np.array([p.sample_id for p in pieces], np.int64),
                             np.array([p.variant for p in pieces], np.int32),
                             metadata={"stream": str(stream), "shard": str(shard)})
-    manifest = fmt.sidecar(stream=stream, shard=shard, data=data, start=start, next=next_, row_start=start,
-                           samples=len(pieces), tokens=len(tokens),
-                           stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
-                           long={"truncated": 0, "chunked": 0, "skipped": 0}, final=final, records=records)
+    manifest = Sidecar.of_shard(data, stream=stream, shard=shard, start=tuple(start), next=tuple(next_),
+                                row_start=tuple(start), samples=len(pieces), tokens=len(tokens),
+                                stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
+                                long={"truncated": 0, "chunked": 0, "skipped": 0}, final=final, records=records)
     base = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(shard)}"
     storage.write_bytes(base + ".safetensors", data)
-    storage.write_json(base + ".json", manifest)
+    storage.write_bytes(base + ".json", manifest.to_bytes())
 
 
 def fake_run(root, name: str = "run", seed: int = 0, counts: list[int] = COUNTS, known: bool = True) -> FakeRun:
@@ -304,17 +305,20 @@ def test_verify_reports_each_problem(tmp_path, case):
     assert all("\n" not in line for line in report.problems)
     assert len(report.problems) <= 2, "\n".join(report.problems)  # one fault, not a cascade of lines
     assert report.summary.startswith("FAILED ")
-    assert exit_code([report]) == 1
 
 
-def test_verify_several_runs(tmp_path):
+def test_verify_several_runs(tmp_path, capsys):
+    from harvest.cli import main
+
     good, bad = fake_run(tmp_path, "a"), fake_run(tmp_path, "b", seed=1)
-    assert exit_code(verify_all([good.url])) == 0
+    assert main(["verify", good.url]) == 0
     bad.storage.delete("run.json")
-    reports = verify_all([good.url, bad.url])
-    assert [r.ok for r in reports] == [True, False]
-    assert reports[1].problems == [f"{bad.url}/run.json: missing: not a harvest run, or one that never started"]
-    assert exit_code(reports) == 1
+    capsys.readouterr()
+    assert main(["verify", good.url, bad.url]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"OK {good.url}:")
+    assert lines[1] == f"{bad.url}/run.json: missing: not a harvest run, or one that never started"
+    assert lines[2].startswith(f"FAILED {bad.url}:")
 
 
 def test_plain_source_of_unknown_length(tmp_path):

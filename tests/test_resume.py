@@ -83,8 +83,14 @@ def assert_same_run(a: Path, b: Path) -> list[str]:
     differ = [rel for rel in files_a if files_a[rel] != files_b[rel]]
     assert not differ, f"{len(differ)} files differ, e.g. {differ[:5]}"
     for out in (a, b):  # a finished run holds no lease
-        assert not list(out.glob("stream_*/lease.json"))
+        assert_released(out)
     return temps_b
+
+
+def assert_released(out: Path) -> None:
+    """No stream's lease is held: each lease object left is marked released by its last holder."""
+    held = [p for p in out.glob("stream_*/lease.json") if not json.loads(p.read_text())["released"]]
+    assert not held, f"leases still held: {held}"
 
 
 def verify(out: Path, env) -> subprocess.CompletedProcess:
@@ -185,7 +191,8 @@ def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run
 
     resumed = run_harvest(*args, "--worker-id", "a", env=run.env)
     assert resumed.returncode == 0, resumed.stderr
-    assert is_complete(out, NUM_STREAMS) and not list(out.glob("stream_*/lease.json"))
+    assert is_complete(out, NUM_STREAMS)
+    assert_released(out)
     checked = verify(out, run.env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
@@ -229,4 +236,4 @@ def test_rerunning_a_finished_run_from_another_directory_changes_nothing(run):
     assert "this run 0 tokens" in rerun.stdout and "0 shards" in rerun.stdout, rerun.stdout
     after, temps = data_files(out)
     assert after == before and not temps
-    assert not list(out.glob("stream_*/lease.json"))
+    assert_released(out)

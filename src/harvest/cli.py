@@ -1,5 +1,5 @@
 """The `harvest` command: parse flags, build the config, call the job. Errors a user can cause print as
-one line (exit 2), never a traceback."""
+one line (exit 2; 3 and 75 for a lost lease and a retryable failure, see harvest.errors), never a traceback."""
 
 from __future__ import annotations
 
@@ -10,47 +10,20 @@ import sys
 
 from harvest.errors import UserError
 
-EXTRACT_HELP = {
-    "model": "HF checkpoint directory or hub id (e.g. Qwen/Qwen2.5-0.5B)",
-    "data": "a streams directory (holding streams.json) or a source: file, glob, gs://, s3://, hf://name[:config]:split",
-    "out": "output URL: a local directory, gs://bucket/path or s3://bucket/path",
-    "points": "capture points, e.g. resid_post:20-27,mlp_out:12,attn_out:0,3,5 (default: resid_post:all)",
-    "format": "how records become prompts: text | chat | arc (default: text)",
-    "text_field": "field holding the text for --format text (default: text)",
-    "streams": "streams this worker writes, e.g. 0-7 (default: all)",
-    "max_seq_len": "tokens per packed row, the longest sample (default: 2048)",
-    "batch_size": "packed rows per data slot per step (default: 8)",
-    "long": "samples longer than --max-seq-len: truncate | skip | chunk (default: truncate; always counted)",
-    "dtype": "stored dtype: bfloat16 | float16 | float32 (default: bfloat16)",
-    "compute_dtype": "float32 | bfloat16 (default: float32 on CPU, bfloat16 on accelerators)",
-    "shard_size": "shard size, e.g. 64KB, 512MB, 1GB (default: 1GB)",
-    "seed": "seed for ARC augmentation (default: 0)",
-    "max_samples": "read at most this many records per stream",
-    "overwrite": "delete this worker's streams and run.json first, instead of resuming",
-    "strict": "stop at the first bad input instead of skipping and recording it",
-    "mesh": "1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on data)",
-    "arc_encoder": "ARC grid encoding: compact | rows (default: compact)",
-    "arc_augment": "extra augmented variants per ARC task (dihedral, colours, pair order; default: 0)",
-    "arc_include_answer": "append the test output to ARC prompts",
-    "arc_template": "ARC prompt template with {examples} and {test_input}",
-    "worker_id": "this worker's name in stream leases (default: hostname:process index)",
-    "coordinator": "multi-host: HOST:PORT of process 0 (else $JAX_COORDINATOR_ADDRESS or auto-detected)",
-    "num_processes": "multi-host: number of processes (else $JAX_PROCESS_COUNT)",
-    "process_id": "multi-host: this process's index (else $JAX_PROCESS_INDEX)",
-    "peer_timeout": "multi-host: seconds before a silent process counts as dead and the others exit (default: 60)",
-}
 
+def _add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per config field, from its description (harvest.config.setting); defaults are None so YAML
+    values show through unless a flag is given."""
+    from harvest.config import flag, help_line
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, str]) -> None:
-    """One flag per config field; defaults are None so YAML values show through unless a flag is given."""
     parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
     for field in dataclasses.fields(cls):
-        flag = "--" + field.name.replace("_", "-")
         kind = str(field.type).replace(" | None", "")
         if kind == "bool":
-            parser.add_argument(flag, action="store_true", default=None, help=helps[field.name])
+            parser.add_argument(flag(field.name), action="store_true", default=None, help=help_line(field))
         else:
-            parser.add_argument(flag, type=int if kind == "int" else str, default=None, help=helps[field.name])
+            parser.add_argument(flag(field.name), type=int if kind == "int" else str, default=None,
+                                help=help_line(field))
 
 
 def _config_from(args: argparse.Namespace, cls):
@@ -153,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "shards with sidecar manifests. Resumes from committed shards by default; every setting can also "
         "come from --config run.yaml.",
     )
-    _add_config_flags(extract, ExtractConfig, EXTRACT_HELP)
+    _add_config_flags(extract, ExtractConfig)
     extract.set_defaults(run=_extract)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
@@ -162,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "create", help="write stream_NNNNN.jsonl files + streams.json",
         description="Split a source round-robin into N disjoint, ordered streams that workers take by --streams.",
     )
-    create.add_argument("--data", required=True, help=EXTRACT_HELP["data"].split(" or ")[-1])
+    create.add_argument("--data", required=True, help="the source: file, glob, gs://, s3://, hf://name[:config]:split")
     create.add_argument("--num-streams", type=int, required=True, help="how many streams")
     create.add_argument("--out", required=True, help="directory URL for the streams")
     create.add_argument("--overwrite", action="store_true", help="replace existing streams there")
@@ -208,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         if "jax" in sys.modules:  # a multi-host run: the others may be gone, skip JAX's shutdown barrier
             from harvest.runtime.distributed import exit_now
 
-            exit_now(2)
-        return 2
+            exit_now(e.exit_code)
+        return e.exit_code
     except KeyboardInterrupt:
         print("harvest: interrupted; committed shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130

@@ -14,11 +14,6 @@ import yaml
 
 from harvest.errors import UserError
 
-FORMATS = ("text", "chat", "arc")
-LONG_POLICIES = ("truncate", "skip", "chunk")
-STORE_DTYPES = ("bfloat16", "float16", "float32")
-COMPUTE_DTYPES = ("float32", "bfloat16")
-ARC_ENCODERS = ("compact", "rows")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -28,35 +23,75 @@ class ConfigError(UserError):
     pass
 
 
+def setting(help: str, default: Any = dataclasses.MISSING, *, choices: tuple = (), minimum: int | None = None):
+    """A config field described once: its flag, its YAML key, its --help line and its checks come from here."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def help_line(field: dataclasses.Field) -> str:
+    """The field's help with its choices and default, as --help shows it."""
+    meta = field.metadata
+    extra = [" | ".join(meta["choices"])] if meta.get("choices") else []
+    if field.default not in (dataclasses.MISSING, None, False):
+        extra.append(f"default: {field.default}")
+    return meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def check_settings(config: Any) -> None:
+    """The choices and minimums the fields declare, as one-line errors naming the flag."""
+    for field in dataclasses.fields(config):
+        value, meta = getattr(config, field.name), field.metadata
+        if value is None:
+            continue
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"{flag(field.name)} {value!r}: choose one of {', '.join(meta['choices'])}")
+        if meta.get("minimum") is not None and value < meta["minimum"]:
+            raise ConfigError(f"{flag(field.name)} {value}: must be at least {meta['minimum']}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExtractConfig:
-    model: str
-    data: str
-    out: str
-    points: str = "resid_post:all"
-    format: str = "text"
-    text_field: str = "text"
-    streams: str | None = None  # e.g. "0-7,9"; None = every stream
-    max_seq_len: int = 2048
-    batch_size: int = 8  # packed rows per data slot
-    long: str = "truncate"
-    dtype: str = "bfloat16"
-    compute_dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
-    shard_size: str = "1GB"
-    seed: int = 0
-    max_samples: int | None = None  # per stream: records read
-    overwrite: bool = False
-    strict: bool = False
-    mesh: str | None = None  # None: every device on the data axis
-    arc_encoder: str = "compact"
-    arc_augment: int = 0
-    arc_include_answer: bool = False
-    arc_template: str | None = None
-    worker_id: str | None = None
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    peer_timeout: int = 60  # seconds before a silent process counts as dead and the others stop
+    model: str = setting("HF checkpoint directory or hub id (e.g. Qwen/Qwen2.5-0.5B)")
+    data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://, "
+                        "hf://name[:config]:split")
+    out: str = setting("output URL: a local directory, gs://bucket/path or s3://bucket/path")
+    points: str = setting("capture points, e.g. resid_post:20-27,mlp_out:12,attn_out:0,3,5", "resid_post:all")
+    format: str = setting("how records become prompts", "text", choices=("text", "chat", "arc"))
+    text_field: str = setting("field holding the text for --format text", "text")
+    streams: str | None = setting("streams this worker writes, e.g. 0-7 (default: all)", None)
+    max_seq_len: int = setting("tokens per packed row, the longest sample", 2048, minimum=2)
+    batch_size: int = setting("packed rows per data slot per step", 8, minimum=1)
+    long: str = setting("samples longer than --max-seq-len, always counted", "truncate",
+                        choices=("truncate", "skip", "chunk"))
+    dtype: str = setting("stored dtype", "bfloat16", choices=("bfloat16", "float16", "float32"))
+    compute_dtype: str | None = setting("compute dtype; unset: float32 on CPU, bfloat16 on accelerators", None,
+                                        choices=("float32", "bfloat16"))
+    shard_size: str = setting("shard size, e.g. 64KB, 512MB, 1GB", "1GB")
+    seed: int = setting("seed for ARC augmentation", 0, minimum=0)
+    max_samples: int | None = setting("read at most this many records per stream", None, minimum=1)
+    overwrite: bool = setting("delete this worker's streams and run.json first, instead of resuming", False)
+    strict: bool = setting("stop at the first bad input instead of skipping and recording it", False)
+    mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on data)", None)
+    arc_encoder: str = setting("ARC grid encoding", "compact", choices=("compact", "rows"))
+    arc_augment: int = setting("extra augmented variants per ARC task (dihedral, colours, pair order)", 0,
+                               minimum=0)
+    arc_include_answer: bool = setting("append the test output to ARC prompts", False)
+    arc_template: str | None = setting("ARC prompt template with {examples} and {test_input}", None)
+    worker_id: str | None = setting("this worker's name in stream leases (default: hostname:process index)", None)
+    coordinator: str | None = setting("multi-host: HOST:PORT of process 0 (else $JAX_COORDINATOR_ADDRESS or "
+                                      "auto-detected)", None)
+    num_processes: int | None = setting("multi-host: number of processes (else $JAX_PROCESS_COUNT)", None,
+                                        minimum=1)
+    process_id: int | None = setting("multi-host: this process's index (else $JAX_PROCESS_INDEX)", None, minimum=0)
+    peer_timeout: int = setting("multi-host: seconds before a silent process counts as dead and the others exit",
+                                60, minimum=1)
+    lease_ttl: int = setting("seconds without a heartbeat before a stream's lease counts as abandoned and another "
+                             "worker may take it; a worker that cannot refresh its lease for half of this stops "
+                             "writing", 300, minimum=2)
 
     # Settings that decide the bytes written: a resumed run must agree on all of them.
     OUTPUT_FIELDS = ("points", "format", "text_field", "max_seq_len", "long", "dtype", "shard_size", "seed",
@@ -73,19 +108,9 @@ class ExtractConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> ExtractConfig:
-        for name, value, allowed in (("--format", self.format, FORMATS), ("--long", self.long, LONG_POLICIES),
-                                     ("--dtype", self.dtype, STORE_DTYPES),
-                                     ("--arc-encoder", self.arc_encoder, ARC_ENCODERS)):
-            if value not in allowed:
-                raise ConfigError(f"{name} {value!r}: choose one of {', '.join(allowed)}")
-        if self.compute_dtype is not None and self.compute_dtype not in COMPUTE_DTYPES:
-            raise ConfigError(f"--compute-dtype {self.compute_dtype!r}: choose one of {', '.join(COMPUTE_DTYPES)}")
-        for name, value, low in (("--max-seq-len", self.max_seq_len, 2), ("--batch-size", self.batch_size, 1),
-                                 ("--arc-augment", self.arc_augment, 0)):
-            if value < low:
-                raise ConfigError(f"{name} {value}: must be at least {low}")
-        if self.max_samples is not None and self.max_samples < 1:
-            raise ConfigError(f"--max-samples {self.max_samples}: must be at least 1")
+        check_settings(self)
+        if not self.text_field:
+            raise ConfigError("--text-field: must name a field")
         self.shard_bytes  # noqa: B018  (raises on a bad size)
         return self
 
@@ -101,33 +126,6 @@ def parse_size(text: str | int, flag: str) -> int:
     if size < 1:
         raise ConfigError(f"{flag} {text!r}: must be positive")
     return size
-
-
-def parse_ranges(text: str, flag: str) -> list[int]:
-    """'0-7,9' -> [0..7, 9] (sorted, unique)."""
-    chosen: set[int] = set()
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", item)
-        if not match:
-            raise ConfigError(f"{flag} {text!r}: expected numbers and ranges like 0-7,9")
-        lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
-        if hi < lo:
-            raise ConfigError(f"{flag} {text!r}: range {item.strip()} runs backwards")
-        chosen.update(range(lo, hi + 1))
-    return sorted(chosen)
-
-
-def format_ranges(values, sep: str = ",", limit: int | None = None) -> str:
-    """The inverse of parse_ranges: [0, 1, 2, 5, 7, 8] -> '0-2,5,7-8' (at most `limit` runs, then a count)."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    shown = runs if limit is None else runs[:limit]
-    text = sep.join(str(a) if a == b else f"{a}-{b}" for a, b in shown)
-    return text + (f"{sep}... ({len(runs) - len(shown)} more ranges)" if len(shown) < len(runs) else "")
 
 
 def load_yaml(path: str | None) -> dict[str, Any]:

@@ -72,7 +72,8 @@ def check_grid(grid: Any, where: str) -> np.ndarray:
         except (ValueError, TypeError):  # ragged
             arr = None
     if (arr is not None and arr.ndim == 2 and arr.dtype.kind in "iu" and 0 < arr.shape[0] <= MAX_SIDE
-            and 0 < arr.shape[1] <= MAX_SIDE and arr.min() >= 0 and arr.max() <= 9):
+            and 0 < arr.shape[1] <= MAX_SIDE and arr.min() >= 0 and arr.max() <= 9
+            and not any(type(cell) is bool for row in grid for cell in row)):  # numpy reads [1, true] as ints
         return arr.astype(np.int8)
     raise InvalidTask(f"{where}: {_grid_problem(grid)}")
 
@@ -99,8 +100,8 @@ def _pairs(value: dict, field: str, output_required: bool) -> list[tuple[np.ndar
         if output_required and "output" not in pair:
             raise InvalidTask(f"{where}: missing field 'output'")
         grid_in = check_grid(pair["input"], f"{where}.input")
-        out = pair.get("output")
-        grid_out = None if out is None else check_grid(out, f"{where}.output")
+        out = pair.get("output")  # a test output may be absent or null; a train output is always a grid
+        grid_out = None if out is None and not output_required else check_grid(out, f"{where}.output")
         pairs.append((grid_in, grid_out))
     return pairs
 

@@ -10,6 +10,8 @@ sample sits at the same offset and rounds the same way as in the first run.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import logging
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -17,6 +19,7 @@ import numpy as np
 from harvest.errors import UserError
 
 Position = tuple[int, int]
+log = logging.getLogger(__name__)
 BLOCK = 64  # records tokenized together: one call into the Rust tokenizer per block
 
 
@@ -35,6 +38,10 @@ class Skip:
     location: str
     reason: str
     long: bool = False  # skipped for length by --long skip, not bad input
+
+    def __post_init__(self):  # both go into a sidecar, whatever the record held: valid UTF-8, bounded
+        object.__setattr__(self, "location", _storable(self.location))
+        object.__setattr__(self, "reason", _storable(self.reason))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,39 @@ def stream_pieces(
     yield StreamEnd(index + len(block))
 
 
+def _tokenize(texts: list[str], owners: list[int], block: list, encode: Callable, failures: dict[int, str]) -> list:
+    """Token ids of `texts`, one tokenizer call for the block. Should that call fail, each record's texts
+    are tokenized on their own: a record whose texts fail gets a reason in `failures`, the others go on."""
+    if not texts:
+        return []
+    try:
+        return encode(texts)
+    except Exception:  # last resort: find the record at fault below, and only it is skipped
+        pass
+    ids: list = []
+    for k, group in itertools.groupby(range(len(texts)), key=owners.__getitem__):
+        own = [texts[i] for i in group]
+        try:
+            ids.extend(encode(own))
+        except Exception as e:  # last resort, as above: one record's failure, named in its skip
+            failures[k] = _unexpected("tokenizing", block[k], e)
+            ids.extend([[]] * len(own))
+    return ids
+
+
+def _unexpected(stage: str, record, error: Exception) -> str:
+    """The skip reason for an error no check foresaw (a bug to fix: logged with its traceback)."""
+    log.warning("%s: unexpected error while %s it; skipped", _storable(record.location), stage,
+                exc_info=error)
+    return f"unexpected error while {stage} ({type(error).__name__}: {error})"
+
+
+def _storable(text: str, limit: int = 500) -> str:
+    """`text` as a sidecar can hold it: valid UTF-8 (lone surrogates escaped), at most `limit` characters."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _block_events(block, first, render, encode, max_seq_len, long, strict, sample_error) -> Iterator[Event]:
     texts: list[str] = []
     owners: list[int] = []
@@ -90,16 +130,20 @@ def _block_events(block, first, render, encode, max_seq_len, long, strict, sampl
         reason = record.error
         if reason is None:
             try:
-                rendered = render(record)
-                texts.extend(rendered)
-                owners.extend([k] * len(rendered))
+                rendered = list(render(record))
             except sample_error as e:
                 reason = getattr(e, "reason", str(e))
+            except Exception as e:  # last resort: a renderer bug met by one record skips that record, loudly
+                reason = _unexpected("rendering", record, e)
+            else:
+                texts.extend(rendered)
+                owners.extend([k] * len(rendered))
         if reason is not None:
-            if strict:
-                raise UserError(f"{record.location}: {reason} (--strict stops at the first bad input)")
             failures[k] = reason
-    ids = encode(texts) if texts else []
+    ids = _tokenize(texts, owners, block, encode, failures)
+    if strict and failures:
+        k = min(failures)
+        raise UserError(f"{block[k].location}: {failures[k]} (--strict stops at the first bad input)")
     by_record: dict[int, list[list[int]]] = {}
     for owner, tokens in zip(owners, ids):
         by_record.setdefault(owner, []).append(tokens)

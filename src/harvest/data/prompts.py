@@ -39,6 +39,16 @@ def _value(record: Record) -> dict:
     return record.value
 
 
+def _unicode_problem(text: str) -> str | None:
+    """Why a string is not valid Unicode (a lone surrogate, as JSON's "\\ud800" escapes make), or None.
+    Tokenizers refuse such strings, so they are a record's skip, found before tokenization."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"lone surrogate U+{ord(text[e.start]):04X} at character {e.start + 1} (not valid Unicode)"
+    return None
+
+
 def _text_renderer(text_field: str) -> Renderer:
     def render(record: Record) -> list[str]:
         value = _value(record)
@@ -49,6 +59,9 @@ def _text_renderer(text_field: str) -> Renderer:
             raise SampleError(f"field '{text_field}' is not a string (got {json_kind(text)})")
         if not text:
             raise SampleError("empty text")
+        problem = _unicode_problem(text)
+        if problem:
+            raise SampleError(f"field '{text_field}': {problem}")
         return [text]
 
     return render
@@ -65,6 +78,9 @@ def _check_messages(messages: Any) -> None:
                 raise SampleError(f"messages[{i}]: missing field '{key}'")
             if not isinstance(m[key], str):
                 raise SampleError(f"messages[{i}].{key} is not a string (got {json_kind(m[key])})")
+            problem = _unicode_problem(m[key])
+            if problem:
+                raise SampleError(f"messages[{i}].{key}: {problem}")
 
 
 def _chat_renderer(tokenizer: Any) -> Renderer:
@@ -86,6 +102,9 @@ def _chat_renderer(tokenizer: Any) -> Renderer:
             raise SampleError(f"chat template failed: {e}") from None
         if not isinstance(text, str) or not text:
             raise SampleError("chat template rendered nothing")
+        problem = _unicode_problem(text)  # from a message field the template reads beyond role and content
+        if problem:
+            raise SampleError(f"chat template output: {problem}")
         return [text]
 
     return render

@@ -26,16 +26,19 @@ A source that cannot be read at all (missing file, no file matching, unknown typ
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob as globlib
 import io
 import itertools
 import json
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from harvest.errors import UserError
+from harvest.store.fs import Storage
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "text", ".text": "text"}
@@ -61,24 +64,43 @@ class SourceFile:
     size: int | None = None  # bytes, as listed
 
 
-# --- the one place that opens source bytes (to become harvest.store.fs.Storage) ---------------------
+# --- the one place that opens source bytes ----------------------------------------------------------------
 
+_STORAGE_SCHEMES = ("gs", "gcs", "s3", "s3a", "file")
+
+
+@contextlib.contextmanager
 def _open_read(path: str, compression: str | None = None):
-    """A binary file object for a local path or an fsspec URL, decompressing on the fly."""
-    import fsspec
-
+    """A binary file object over a source file, decompressing on the fly. Local, gs:// and s3:// files are
+    read through harvest's Storage (retries, reopening mid-stream, one-line errors); other fsspec URLs
+    (hf://, memory://, http://) through fsspec itself."""
+    scheme = path.split("://", 1)[0].lower() if "://" in path else "file"
     try:
-        fh = fsspec.open(path, "rb", compression=compression).open()
-        if compression == "zstd":  # zstandard's reader cannot iterate lines on its own
-            fh = io.BufferedReader(fh, 1 << 20)
-        return fh
+        if scheme in _STORAGE_SCHEMES:
+            directory, _, name = path.rstrip("/").rpartition("/")
+            with Storage(directory or ".").open_binary(name) as raw:
+                yield _decompressed(raw, compression, path)
+        else:
+            import fsspec
+
+            with fsspec.open(path, "rb").open() as raw:
+                yield _decompressed(raw, compression, path)
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
-    except ValueError as e:
-        if compression and "compression" in str(e).lower():
-            hint = " (pip install zstandard)" if compression == "zstd" else ""
-            raise UserError(f"{path}: cannot read {compression}-compressed files here{hint}") from None
-        raise
+
+
+def _decompressed(raw, compression: str | None, path: str):
+    if compression is None:
+        return raw
+    from fsspec.compression import compr
+
+    try:
+        opener = compr[compression]
+    except KeyError:
+        hint = " (pip install zstandard)" if compression == "zstd" else ""
+        raise UserError(f"{path}: cannot read {compression}-compressed files here{hint}") from None
+    fh = opener(raw, mode="rb")
+    return io.BufferedReader(fh, 1 << 20) if compression == "zstd" else fh  # zstd cannot iterate lines alone
 
 
 # --- resolving a spec into files -----------------------------------------------------------------------
@@ -242,6 +264,11 @@ def _read_json(f: SourceFile, skip: int):
         raise UserError(f"{f.path}: not valid UTF-8 (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{f.path}: malformed JSON: {e.msg} (line {e.lineno} col {e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{f.path}: malformed JSON: nested too deeply") from None
+    except ValueError:  # an integer longer than Python converts
+        raise UserError(f"{f.path}: malformed JSON: an integer with more than "
+                        f"{sys.get_int_max_str_digits()} digits") from None
     if isinstance(doc, list):
         rows = doc
     elif doc == {}:
@@ -350,6 +377,8 @@ def parse_line(text: str) -> tuple[dict | None, str | None]:
         return None, f"malformed JSON: {e.msg} (col {e.colno})"
     except RecursionError:
         return None, "malformed JSON: nested too deeply"
+    except ValueError:  # json's other refusal: an integer longer than Python converts
+        return None, f"malformed JSON: an integer with more than {sys.get_int_max_str_digits()} digits"
     if not isinstance(value, dict):
         return None, f"not a JSON object (got {json_kind(value)})"
     return value, None

@@ -22,6 +22,7 @@ offsets let a resumed worker seek straight to its cursor instead of reading the 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime
 import decimal
 import hashlib
@@ -29,12 +30,12 @@ import itertools
 import json
 import re
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from harvest.data import sources
 from harvest.data.sources import Record
 from harvest.errors import UserError
-from harvest.store.fs import Storage
+from harvest.store.fs import Storage, StorageNotFoundError
 
 STREAMS_FILE = "streams.json"
 FORMAT_VERSION = 1
@@ -48,67 +49,8 @@ def stream_name(stream: int) -> str:
     return f"stream_{stream:05d}.jsonl"
 
 
-# --- storage: the few calls to become harvest.store.fs.Storage -----------------------------------------
-
 def _join(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
-
-
-def _fs(url: str):
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
-
-
-def _open_write(url: str):
-    """A binary file object writing `url` (local path or fsspec URL); the object lands on close."""
-    import fsspec
-
-    return fsspec.open(url, "wb").open()
-
-
-def _in(url: str) -> tuple[Storage, str]:
-    """The Storage of `url`'s directory and its name there: retries, atomic writes, one-line errors."""
-    directory, _, name = url.rstrip("/").rpartition("/")
-    return Storage(directory or "."), name
-
-
-def _write_bytes(url: str, data: bytes) -> None:
-    store, name = _in(url)
-    store.write_bytes(name, data)
-
-
-def _read_bytes(url: str) -> bytes | None:
-    store, name = _in(url)
-    try:
-        return store.read_bytes(name)
-    except FileNotFoundError:
-        return None
-
-
-def _exists(url: str) -> bool:
-    store, name = _in(url)
-    return store.exists(name)
-
-
-def _prepare_dir(url: str) -> list[str]:
-    """Create the output directory if local; the names of the stream files already in it."""
-    fs, path = _fs(url)
-    if "://" not in url or url.startswith("file://"):
-        try:
-            fs.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"--out {url}: cannot create the directory ({e.strerror or e})") from None
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return []
-    return [n for n in names if _STREAM_RE.match(n)]
-
-
-def _remove(url: str) -> None:
-    store, name = _in(url)
-    store.delete(name)
 
 
 # --- writing -----------------------------------------------------------------------------------------------
@@ -142,11 +84,11 @@ def _carry(kind: str, data: Any, where) -> bytes:
 
 
 class _StreamWriter:
-    """Buffered, hashed, line-indexed writer of one stream file."""
+    """Buffered, hashed, line-indexed writer of one stream file (`file`: from Storage.open_write)."""
 
-    def __init__(self, url: str, buffer_bytes: int):
-        self.url, self.buffer_bytes = url, buffer_bytes
-        self.file = _open_write(url)
+    def __init__(self, file, buffer_bytes: int):
+        self.buffer_bytes = buffer_bytes
+        self.file = file
         self.sha = hashlib.sha256()
         self.buffer: list[bytes] = []
         self.buffered = self.written = self.count = 0
@@ -169,9 +111,6 @@ class _StreamWriter:
             self.written += len(data)
             self.buffer, self.buffered = [], 0
 
-    def close(self) -> None:
-        self.flush()
-        self.file.close()
 
 
 def _raise_fd_limit(needed: int) -> None:
@@ -197,28 +136,28 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
         raise UserError(f"--num-streams: must be a positive integer, got {num_streams!r}")
     files = sources.resolve(data)
     described = sources.describe(data, files)
-    meta_url = _join(out, STREAMS_FILE)
-    if _exists(meta_url):
+    store = Storage(out)
+    if store.exists(STREAMS_FILE):
         if not overwrite:
             raise UserError(f"{out}: already holds {STREAMS_FILE}; pass --overwrite to replace it")
-        _remove(meta_url)  # first, so an interrupted rewrite is never mistaken for a complete one
-    stale = [n for n in _prepare_dir(out) if int(_STREAM_RE.match(n).group(1)) >= num_streams]
-    for name in stale:
-        _remove(_join(out, name))
+        store.delete(STREAMS_FILE)  # first, so an interrupted rewrite is never mistaken for a complete one
+    for name in store.listdir():
+        if (m := _STREAM_RE.match(name)) and int(m.group(1)) >= num_streams:
+            store.delete(name)
 
     n = num_streams
-    if "://" not in out:
+    if store.is_local:
         _raise_fd_limit(n + 64)
     buffer_bytes = buffer_bytes or max(64 << 10, min(1 << 20, (256 << 20) // n))
-    writers = [_StreamWriter(_join(out, stream_name(s)), buffer_bytes) for s in range(n)]
     per_file = [0] * len(files)
-    try:
+    with contextlib.ExitStack() as opened:  # every stream file lands at the end, or none does
+        writers = [_StreamWriter(opened.enter_context(store.open_write(stream_name(s))), buffer_bytes)
+                   for s in range(n)]
         for sample_id, k, i, kind, value in sources.iter_items(files, 0, per_file):
             f = files[k]
             writers[sample_id % n].write(_carry(kind, value, lambda: sources.location(f.path, f.format, i)))
-    finally:
         for w in writers:
-            w.close()
+            w.flush()
 
     for entry, count in zip(described["files"], per_file):
         entry["records"] = count
@@ -236,34 +175,27 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     text = "{\n" + ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in meta.items()) + "\n}\n"
-    _write_bytes(meta_url, text.encode())
+    store.write_bytes(STREAMS_FILE, text.encode())
     return StreamSet.open(out)
 
 
 # --- reading -----------------------------------------------------------------------------------------------
-
-class DataStreams(Protocol):
-    """What the extraction job reads: a stream set, or a plain source seen as one stream."""
-
-    num_streams: int
-    counts: list[int | None]
-    total: int | None
-
-    def sample_id(self, stream: int, index: int) -> int: ...
-
-    def records(self, stream: int, start: int = 0) -> Iterator[Record]: ...
-
-    def info(self) -> dict: ...
-
 
 def _stream_line(raw: bytes, sample_id: int, where: str) -> Record:
     text, reason = sources._decode(raw, False)
     if reason is not None:
         return Record(sample_id, where, None, reason)
     value, error = sources.parse_line(text)
-    if value is not None and ERROR_KEY in value:
-        return Record(sample_id, str(value.get(LOCATION_KEY) or where), None, str(value[ERROR_KEY]))
+    if _is_carried_error(value):
+        return Record(sample_id, value[LOCATION_KEY] or where, None, value[ERROR_KEY])
     return Record(sample_id, where, value, error)
+
+
+def _is_carried_error(value: dict | None) -> bool:
+    """Whether a stream line is one that _carry wrote for a bad source item (and not a record that merely
+    has a field of that name): exactly the two keys, both strings."""
+    return (value is not None and value.keys() == {ERROR_KEY, LOCATION_KEY}
+            and all(isinstance(v, str) for v in value.values()))
 
 
 class StreamSet:
@@ -271,6 +203,7 @@ class StreamSet:
 
     def __init__(self, url: str, meta: dict):
         self.url = url
+        self.storage = Storage(url)
         self.meta = meta
         self.num_streams: int = meta["num_streams"]
         self.counts: list[int] = list(meta["counts"])
@@ -284,10 +217,11 @@ class StreamSet:
         url = url.rstrip("/") or url
         if url.endswith("/" + STREAMS_FILE) or url == STREAMS_FILE:
             url = url[: -len(STREAMS_FILE)].rstrip("/") or "."
-        raw = _read_bytes(_join(url, STREAMS_FILE))
-        if raw is None:
+        try:
+            raw = Storage(url).read_bytes(STREAMS_FILE)
+        except StorageNotFoundError:
             raise UserError(f"{url}: no {STREAMS_FILE} here; create streams with "
-                            f"`harvest streams create --data SRC --num-streams N --out {url}`")
+                            f"`harvest streams create --data SRC --num-streams N --out {url}`") from None
         where = _join(url, STREAMS_FILE)
         try:
             meta = json.loads(raw)
@@ -348,7 +282,7 @@ class StreamSet:
         url = self.stream_url(stream)
         offsets = (self.meta.get("line_offsets") or [None] * self.num_streams)[stream]
         every = self.meta.get("index_every") or 0
-        with sources._open_read(url) as fh:
+        with self.storage.open_binary(stream_name(stream)) as fh:
             line = 0
             if offsets and every and start >= every:
                 j = min(start // every, len(offsets) - 1)
@@ -372,7 +306,7 @@ class StreamSet:
         for s in range(self.num_streams):
             url, sha, lines = self.stream_url(s), hashlib.sha256(), 0
             try:
-                with sources._open_read(url) as fh:
+                with self.storage.open_binary(stream_name(s)) as fh:
                     for chunk in iter(lambda: fh.read(1 << 20), b""):
                         sha.update(chunk)
                         lines += chunk.count(b"\n")
@@ -460,10 +394,7 @@ def open_data(spec: str) -> StreamSet | SourceStreams:
         raise UserError("--data: give a file, glob, URL, hf://NAME[:CONFIG]:SPLIT or a streams directory")
     if spec.rstrip("/").endswith(STREAMS_FILE):
         return StreamSet.open(spec)
-    if not sources._has_magic(spec) and sources._hub_spec(spec) is None:
-        try:
-            if _exists(_join(spec, STREAMS_FILE)):
-                return StreamSet.open(spec)
-        except (ImportError, ValueError) as e:
-            raise UserError(f"{spec}: cannot open this URL ({e})") from None
+    scheme = spec.split("://", 1)[0].lower() if "://" in spec else "file"
+    if scheme in ("file", "gs", "gcs", "s3") and not sources._has_magic(spec) and Storage(spec).exists(STREAMS_FILE):
+        return StreamSet.open(spec)
     return SourceStreams(spec)

@@ -25,19 +25,29 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
-from harvest.config import ExtractConfig, parse_ranges, stable_hash
+from harvest.config import ExtractConfig, stable_hash
 from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
 from harvest.errors import UserError
 from harvest.extract.report import Progress, summarize
-from harvest.model import CapturePlan, Decoder, ModelConfig, default_compute_dtype, load_decoder, parse_points
+from harvest.extract.shards import ShardWriter
+from harvest.model import (
+    CapturePlan,
+    Decoder,
+    ModelConfig,
+    default_compute_dtype,
+    load_decoder,
+    parse_points,
+)
 from harvest.model.weights import resolve_checkpoint
+from harvest.ranges import parse_ranges
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
-from harvest.store.commit import LEASE, Leases, resume_point
+from harvest.store.commit import Committer, resume_point
 from harvest.store.fs import Storage
-from harvest.store.writer import Committer, ShardWriter
+from harvest.store.lease import LEASE, Leases
+from harvest.store.records import RunInfo
 
 QUEUE_DEPTH = 2
 
@@ -54,7 +64,13 @@ class Batch:
 
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
-    """Run (or resume) an extraction; returns the summary printed at the end."""
+    """Run (or resume) an extraction; returns the summary printed at the end.
+
+    Everything that can refuse the command is checked before the first lease or byte is written (settings,
+    mesh, points, streams, tokenizer and renderer, the run.json diff, storage reachable), so a refused
+    command leaves the output as it was. The first write is a lease: where storage refuses it, nothing
+    was written.
+    """
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
     mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     out = Storage(cfg.out)
@@ -65,15 +81,18 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     chosen = _chosen_streams(cfg, data.num_streams)
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     run_info = _run_info(cfg, model, plan, checkpoint, data, compute_dtype)
-    distributed.agree({**_agreed(run_info), "harvest_version": run_info["harvest_version"], "streams": chosen,
+    distributed.agree({**_agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
-
+    tokenizer = prompts.load_tokenizer(checkpoint)
+    render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen)
     mine = sorted(s for k in owned for s in fed[k])
     if not cfg.overwrite:
-        _check_run(out, run_info)  # before the leases: a refused command leaves no trace
+        _check_run(out, run_info)  # storage reachable; the first lease is the first write, and checks it
+
+    failure: list[BaseException] = []
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
-    leases = Leases(out, worker)
+    leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
     leases.acquire(mine)  # --overwrite included: never delete streams that another worker holds
     try:
         if cfg.overwrite:
@@ -82,14 +101,22 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             distributed.barrier("harvest-overwrite")
         for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
             out.remove_stale_temps(fmt.stream_dir(stream))
-        if jax.process_index() == 0 and not out.exists("run.json"):
-            out.write_json("run.json", run_info)
-        # Loaded only now: a worker refused above (lease, run.json) spends nothing on weights and tokenizer.
-        tokenizer = prompts.load_tokenizer(checkpoint)
+        if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
+            _check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
+        # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
         decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
-        return _extract(cfg, decoder, tokenizer, data, fed, mine, out, leases, run_info)
+        return _extract(cfg, decoder, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
     finally:
         leases.release_all()
+
+
+def _renderer(cfg: ExtractConfig, tokenizer) -> prompts.Renderer:
+    """The record -> prompts function; raises UserError for a bad template, field or tokenizer."""
+    arc = {"encoder": cfg.arc_encoder, "augment": cfg.arc_augment, "include_answer": cfg.arc_include_answer}
+    if cfg.arc_template is not None:
+        arc["template"] = cfg.arc_template
+    return prompts.make_renderer(cfg.format, tokenizer, text_field=cfg.text_field, seed=cfg.seed,
+                                 arc=prompts.ArcOptions(**arc))
 
 
 def _slot_plan(mesh, chosen: list[int]) -> tuple[dict[int, list[int]], set[int]]:
@@ -120,7 +147,7 @@ def _file_hash(paths: list[Path]) -> str:
 
 
 def _run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkpoint: Path, data,
-              compute_dtype: str) -> dict[str, Any]:
+              compute_dtype: str) -> RunInfo:
     counts = None if None in data.counts else list(data.counts)  # a plain source: length unknown
     if counts is not None and cfg.max_samples is not None:
         counts = [min(c, cfg.max_samples) for c in counts]
@@ -145,8 +172,7 @@ def _run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkpoint:
                  "mapping": "round_robin", "sha256": getattr(data, "sha256", None)},
         "config": cfg.to_dict(),
     }
-    info["config_sha256"] = stable_hash(_agreed(info))
-    return info
+    return RunInfo(**info, config_sha256=stable_hash(_agreed(RunInfo(**info, config_sha256=""))))
 
 
 def _data_url(spec: str) -> str:
@@ -154,21 +180,25 @@ def _data_url(spec: str) -> str:
     return spec if "://" in spec else os.path.abspath(spec)
 
 
-def _agreed(info: dict[str, Any]) -> dict[str, Any]:
+def _agreed(info: RunInfo) -> dict[str, Any]:
     """What two commands writing into one run must agree on (not flags like --batch-size or --streams)."""
-    settings = {k: info["config"][k] for k in ExtractConfig.OUTPUT_FIELDS}
-    data = dict(info["data"])
+    settings = {k: info.config.get(k) for k in ExtractConfig.OUTPUT_FIELDS}
+    data = dict(info.data)
     if data.get("sha256"):  # streams: their content (streams.json's sha256 per file) decides, not their URL
         data.pop("source", None)
-    return {"model": info["model"]["config_sha256"], "tokenizer": info["tokenizer_sha256"], "data": data,
-            "tensors": info["tensors"], "compute_dtype": info["compute_dtype"], **settings}
+    return {"model": info.model.get("config_sha256"), "tokenizer": info.tokenizer_sha256, "data": data,
+            "tensors": info.tensors, "compute_dtype": info.compute_dtype, **settings}
 
 
-def _check_run(out: Storage, info: dict[str, Any]) -> None:
+def _check_run(out: Storage, info: RunInfo) -> None:
     """Refuse to add to a run made with other settings, showing the difference."""
     if not out.exists("run.json"):
         return
-    old, new = _agreed(out.read_json("run.json")), _agreed(info)
+    try:
+        existing = RunInfo.from_bytes(out.read_bytes("run.json"))
+    except ValueError as e:
+        raise RunMismatch(f"{out.url}/run.json: not a harvest run.json ({e}); use another --out") from None
+    old, new = _agreed(existing), _agreed(info)
     differ = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
     if differ:
         raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); "
@@ -185,23 +215,18 @@ def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
         out.delete("run.json")
 
 
-def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]], mine: list[int], out: Storage,
-             leases: Leases, info) -> dict[str, Any]:
+def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
+             out: Storage, leases: Leases, info, failure: list[BaseException]) -> dict[str, Any]:
     resume = {s: resume_point(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
-    widths = info["tensors"]
+    widths = info.tensors
     dtype = np.dtype(fmt.DTYPES[cfg.dtype])
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in mine if not resume[s].done}
-    totals = info["data"]["counts"]
+    totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
-    committer = Committer(out, on_commit=progress.committed)
+    committer = Committer(out, on_commit=progress.committed, guard=leases.check)
     encode = prompts.encoder(tokenizer, cfg.format)
-    arc = {"encoder": cfg.arc_encoder, "augment": cfg.arc_augment, "include_answer": cfg.arc_include_answer}
-    if cfg.arc_template is not None:
-        arc["template"] = cfg.arc_template
-    render = prompts.make_renderer(cfg.format, tokenizer, text_field=cfg.text_field, seed=cfg.seed,
-                                   arc=prompts.ArcOptions(**arc))
 
     def stream_rows(stream: int) -> Iterator[Row]:
         point = resume[stream]
@@ -218,7 +243,6 @@ def _extract(cfg, decoder: Decoder, tokenizer, data, slots: dict[int, list[int]]
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    failure: list[BaseException] = []
     feeder = _Stage(lambda: _feed(todo, stream_rows, cfg.batch_size, shape, batches, failure), failure)
     host = _Stage(lambda: _to_shards(captured, decoder, writers, committer, progress), failure)
     start = time.monotonic()

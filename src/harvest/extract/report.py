@@ -14,8 +14,10 @@ from typing import Any
 
 from harvest.data.batching import Piece, Row
 from harvest.store import format as fmt
+from harvest.store.commit import ResumePoint
 from harvest.store.fs import Storage
-from harvest.store.writer import ResumePoint
+from harvest.store.records import Progress as ProgressRecord
+from harvest.store.records import Sidecar
 
 log = logging.getLogger("harvest")
 LOG_EVERY_S = 10.0
@@ -49,20 +51,18 @@ class Progress:
             self.padding[1] += len(row.tokens)
             self.samples[stream] += len(pieces)
 
-    def committed(self, manifest: dict[str, Any]) -> None:
-        stream = manifest["stream"]
+    def committed(self, manifest: Sidecar) -> None:
         with self._lock:
             self.shards += 1
-            self.long.update(manifest["long"])
-            self.skipped.extend(manifest["skipped"])
+            self.long.update(manifest.long)
+            self.skipped.extend(manifest.skipped)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
-        record = {
-            "stream": stream, "records_done": manifest["records"] if manifest["final"] else manifest["next"][0],
-            "total": self.totals.get(stream) if not manifest["final"] else manifest["records"],
-            "shards": manifest["shard"] + 1, "tokens_per_s": round(rate, 1), "worker": self.worker,
-            "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "done": manifest["final"],
-        }
-        self.out.write_json(f"{fmt.stream_dir(stream)}/progress.json", record)
+        record = ProgressRecord(
+            stream=manifest.stream, records_done=manifest.records if manifest.final else manifest.next[0],
+            total=manifest.records if manifest.final else self.totals.get(manifest.stream),
+            shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
+            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final)
+        self.out.write_bytes(f"{fmt.stream_dir(manifest.stream)}/progress.json", record.to_bytes())
 
     def line(self) -> str:
         with self._lock:

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from harvest.model.config import ModelConfig
 from harvest.model.points import POINTS, CapturePlan, parse_points
-from harvest.model.transformer import captures_by_key, forward
+from harvest.model.transformer import forward
 from harvest.model.weights import load_params, resolve_checkpoint
 from harvest.runtime.mesh import constrainer, logical_sharding
 
@@ -47,13 +47,10 @@ class Decoder:
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
-        """{point: [n_layers_captured, batch, seq, width]} on device; see captures_by_key for a flat view."""
+        """{point: [n_layers_captured, batch, seq, width]} on device."""
         return self._forward(
             self.params, self.shard_batch(np.asarray(tokens, np.int32)), self.shard_batch(np.asarray(segment_ids, np.int32))
         )
-
-    def captures(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[tuple[str, int], jax.Array]:
-        return captures_by_key(self.plan, self(tokens, segment_ids))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from harvest.config import format_ranges
 from harvest.errors import UserError
+from harvest.ranges import format_ranges
 
 # In the order they arise inside a layer.
 POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_hidden", "mlp_out", "resid_post")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can read bf16 checkpoints)
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 
 from harvest.errors import UserError
@@ -189,10 +189,6 @@ def load_params(
             node = node.setdefault(key, {})
         node[leaf] = array
     return params
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
 
 
 def _prefix(ckpt: _Checkpoint) -> str:

@@ -1,25 +1,55 @@
-"""Reading back what is committed (for resume) and the per-stream lease (for one writer per stream)."""
+"""The commit protocol: a shard's data is written, then its sidecar (the commit); a shard without its
+sidecar does not exist. `Committer` encodes and commits closed shards on background threads, in order
+within a stream, through bounded queues (when storage falls behind the producer waits; nothing is
+dropped); `resume_point` reads back where each stream stands.
+"""
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
+import queue
 import re
-import socket
 import threading
-from datetime import datetime, timezone
+from typing import Any, Callable
+
+import numpy as np
 
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
-from harvest.store.writer import ResumePoint
+from harvest.store.records import Sidecar
 
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
-LEASE = "lease.json"
 
 
-class LeaseError(UserError):
-    pass
+@dataclasses.dataclass
+class ResumePoint:
+    """Where a stream stands after its committed shards (all zeros for a fresh stream)."""
+
+    shard: int = 0  # next shard number
+    next: fmt.Position = (0, 0)
+    row_start: fmt.Position = (0, 0)
+    samples: int = 0
+    tokens: int = 0
+    done: bool = False
+
+
+@dataclasses.dataclass
+class ClosedShard:
+    stream: int
+    shard: int
+    tensors: dict[str, np.ndarray]
+    tokens: np.ndarray
+    lengths: np.ndarray
+    sample_ids: np.ndarray
+    variants: np.ndarray
+    start: fmt.Position
+    next: fmt.Position
+    row_start: fmt.Position
+    skipped: list[dict[str, Any]]
+    long: dict[str, int]
+    final: bool
+    records: int
 
 
 def resume_point(storage: Storage, stream: int) -> ResumePoint:
@@ -33,81 +63,94 @@ def resume_point(storage: Storage, stream: int) -> ResumePoint:
     for expected, number in enumerate(numbers):
         if number != expected:
             break
-        manifest = storage.read_json(f"{directory}/{fmt.shard_stem(number)}.json")
-        point = ResumePoint(
-            shard=number + 1,
-            next=tuple(manifest["next"]),
-            row_start=tuple(manifest["row_start"]),
-            samples=point.samples + manifest["samples"],
-            tokens=point.tokens + manifest["tokens"],
-            done=bool(manifest["final"]),
-        )
+        rel = f"{directory}/{fmt.shard_stem(number)}.json"
+        try:
+            manifest = Sidecar.from_bytes(storage.read_bytes(rel))
+        except ValueError as e:
+            raise UserError(f"{storage.url_of(rel)}: not a harvest sidecar ({e}); `harvest verify` shows what "
+                            "else is wrong, and deleting it makes the shard be rewritten") from None
+        point = ResumePoint(shard=number + 1, next=manifest.next, row_start=manifest.row_start,
+                            samples=point.samples + manifest.samples, tokens=point.tokens + manifest.tokens,
+                            done=manifest.final)
     return point
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
+class Committer:
+    """Background threads that encode and commit shards; stream s always goes to thread s % threads.
 
-
-class Leases:
-    """One lease object per stream, created only if absent (O_EXCL / conditional create).
-
-    The same worker id (a restart after preemption) takes its own lease back; another worker finds it
-    held and stops before writing anything, unless the lease's heartbeat is older than `ttl_s` (its
-    holder is gone). A thread refreshes the heartbeat of held leases.
+    `guard(stream)` runs before each write of a stream and raises when this worker may no longer write it
+    (its lease lost: see harvest.store.lease), so nothing lands after that moment. `on_commit(manifest)`
+    runs after each commit (on the committing thread): progress bookkeeping.
     """
 
-    def __init__(self, storage: Storage, worker: str, ttl_s: float = 300.0):
+    def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *,
+                 guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
-        self.worker = worker
-        self.ttl_s = ttl_s
-        self.held: set[int] = set()
-        self._lock = threading.Lock()  # a heartbeat never rewrites a lease just released
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.on_commit = on_commit or (lambda manifest: None)
+        self.guard = guard or (lambda stream: None)
+        self.failure: BaseException | None = None
+        self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
+        self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
+                         for i, q in enumerate(self._queues)]
+        for thread in self._threads:
+            thread.start()
 
-    def _body(self) -> bytes:
-        return json.dumps({"worker": self.worker, "host": socket.gethostname(), "pid": os.getpid(),
-                           "heartbeat_at": _now().isoformat(timespec="seconds")}).encode()
+    def submit(self, shard: ClosedShard) -> None:
+        """Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped."""
+        q = self._queues[shard.stream % len(self._queues)]
+        while True:
+            self.check()
+            try:
+                q.put(shard, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
-    def acquire(self, streams: list[int]) -> None:
-        """Take every stream's lease, or none: on a conflict, release what was taken and raise."""
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Wait for every submitted shard to be committed; re-raise a writer's failure."""
+        for q in self._queues:
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        self.check()
+
+    def _run(self, q: queue.Queue) -> None:
+        while (shard := q.get()) is not None:
+            if self.failure is not None:
+                continue  # drain: the run is failing, the main thread will raise
+            try:
+                self._commit(shard)
+            except BaseException as e:  # surfaced to the main thread by check()
+                self.failure = self._cause(shard.stream, e)
+
+    def _cause(self, stream: int, error: BaseException) -> BaseException:
+        """A write that failed because this worker lost the stream (the new holder cleared its temp files,
+        say) fails for that reason: the guard's error names the holder."""
         try:
-            for stream in streams:
-                self._acquire(stream)
-        except BaseException:
-            self.release_all()
-            raise
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="lease-heartbeat")
-            self._thread.start()
+            self.guard(stream)
+        except Exception as lost:
+            return lost
+        return error
 
-    def _acquire(self, stream: int) -> None:
-        rel = f"{fmt.stream_dir(stream)}/{LEASE}"
-        if not self.storage.create_exclusive(rel, self._body()):
-            held = self.storage.read_json(rel)
-            age = (_now() - datetime.fromisoformat(held["heartbeat_at"])).total_seconds()
-            if held.get("worker") != self.worker and age < self.ttl_s:
-                raise LeaseError(
-                    f"stream {stream} is held by worker {held.get('worker')!r} on {held.get('host')} "
-                    f"(heartbeat {age:.0f}s ago); give each worker its own --streams, or wait {self.ttl_s:.0f}s "
-                    f"after it died")
-            self.storage.write_bytes(rel, self._body())
-        self.held.add(stream)
-
-    def release(self, stream: int) -> None:
-        with self._lock:
-            if stream in self.held:
-                self.held.discard(stream)
-                self.storage.delete(f"{fmt.stream_dir(stream)}/{LEASE}")
-
-    def release_all(self) -> None:
-        self._stop.set()
-        for stream in sorted(self.held):
-            self.release(stream)
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 4):
-            with self._lock:
-                for stream in sorted(self.held):
-                    self.storage.write_bytes(f"{fmt.stream_dir(stream)}/{LEASE}", self._body())
+    def _commit(self, shard: ClosedShard) -> None:
+        data = fmt.encode_shard(
+            shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
+            metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
+        )
+        manifest = Sidecar.of_shard(
+            data, stream=shard.stream, shard=shard.shard, start=shard.start, next=shard.next,
+            row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
+            stats={name: fmt.RunningStats.of(values) for name, values in shard.tensors.items()},
+            skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
+        )
+        base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
+        self.guard(shard.stream)
+        self.storage.write_bytes(base + ".safetensors", data)
+        self.guard(shard.stream)
+        self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
+        self.guard(shard.stream)
+        self.on_commit(manifest)

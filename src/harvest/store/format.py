@@ -1,4 +1,5 @@
-"""The output format: names, shard tensors, sidecar manifest, run.json, and exactly mergeable stats.
+"""The output format: names, shard tensors, run.json, and exactly mergeable stats. The sidecar, progress and
+lease records are typed in harvest.store.records.
 
 ```
 OUT/run.json                               what the run is (model, points, dtypes, config, hash)
@@ -18,9 +19,6 @@ run.json: {format_version, harvest_version, model: {source, model_type, config_s
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
 special_token_ids (left out of SAE batches), dtype, compute_dtype, max_seq_len, long, format, data: {source,
 num_streams, counts (null when unknown)}, config (every setting), config_sha256}.
-
-progress.json: {stream, records_done, total (null when unknown), samples, tokens, shards,
-tokens_per_s, worker, updated_at (ISO 8601 UTC), done}.
 """
 
 from __future__ import annotations
@@ -131,11 +129,22 @@ class RunningStats:
     mean: np.ndarray
     m2: np.ndarray
 
+    CHUNK_BYTES = 8 * 2**20  # float64 bytes converted at a time: memory stays flat whatever the shard size
+
     @classmethod
     def of(cls, values: np.ndarray) -> RunningStats:
-        x = np.asarray(values, np.float64)
-        mean = x.mean(axis=0) if len(x) else np.zeros(x.shape[1])
-        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0))
+        """Exact float64 stats of [n, d] values, converted a chunk of rows at a time.
+
+        Equal, bit for bit, to converting the whole tensor: numpy reduces over the rows of a C-contiguous
+        array one row after another, and each chunk continues that sum from the running total.
+        """
+        n, d = values.shape
+        if n == 0:
+            return cls(0, np.zeros(d), np.zeros(d))
+        rows = max(1, cls.CHUNK_BYTES // (8 * d))
+        total = _row_sum(values, rows, lambda chunk: chunk)
+        mean = total / n
+        return cls(n, mean, _row_sum(values, rows, lambda chunk: (chunk - mean) ** 2))
 
     def merge(self, other: RunningStats) -> RunningStats:
         n = self.count + other.count
@@ -158,44 +167,10 @@ class RunningStats:
         return cls(int(obj["count"]), np.asarray(obj["mean"], np.float64), np.asarray(obj["m2"], np.float64))
 
 
-def sidecar(
-    *,
-    stream: int,
-    shard: int,
-    data: bytes,
-    start: Position,
-    next: Position,
-    row_start: Position,
-    samples: int,
-    tokens: int,
-    stats: dict[str, RunningStats],
-    skipped: list[dict[str, Any]],
-    long: dict[str, int],
-    final: bool,
-    records: int,
-) -> dict[str, Any]:
-    """The commit marker and manifest entry of one shard.
-
-    `skipped`: bad records and skipped long samples in [start, next), each {sample_id, location, reason}.
-    `long`: counts of truncated/skipped/chunked records in this shard's range.
-    `records`: records of the stream read through `next`; with `final` (the stream ends with this shard,
-    which may then hold no samples), all the stream's records.
-    """
-    return {
-        "format_version": FORMAT_VERSION,
-        "stream": stream,
-        "shard": shard,
-        "file": shard_stem(shard) + ".safetensors",
-        "bytes": len(data),
-        "sha256": sha256(data),
-        "start": list(start),
-        "next": list(next),
-        "row_start": list(row_start),
-        "samples": samples,
-        "tokens": tokens,
-        "stats": {name: s.to_json() for name, s in stats.items()},
-        "skipped": skipped,
-        "long": long,
-        "final": final,
-        "records": records,
-    }
+def _row_sum(values: np.ndarray, rows: int, f) -> np.ndarray:
+    """sum over rows of f(rows as float64), `rows` at a time, in the order a single reduction would add them."""
+    total = None
+    for start in range(0, len(values), rows):
+        chunk = f(np.asarray(values[start:start + rows], np.float64))
+        total = chunk.sum(axis=0) if total is None else np.add.reduce(np.vstack([total[None], chunk]), axis=0)
+    return total

@@ -22,246 +22,39 @@ Endpoints and credentials come from the environment, as for any gcsfs/s3fs user:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import fcntl
+import hashlib
 import io
 import json
 import logging
 import os
 import random
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from harvest.errors import UserError
+from harvest.store.backends import custom_endpoint, gcs_filesystem, s3_filesystem
+from harvest.store.errors import (
+    StorageError,
+    StorageNotFoundError,
+    StorageUnreachable,
+    describe,
+    is_transient,
+    redact,
+)
+from harvest.store.records import json_bytes
+
+__all__ = ["Storage", "StorageError", "StorageNotFoundError", "Versioned", "is_transient"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _TMP_MARK = ".harvest-tmp-"  # local temp files carry this; listdir hides them
-
-
-class StorageError(UserError):
-    """A storage operation failed for good: the message is one line naming the URL and what happened."""
-
-    def __init__(self, message: str, url: str | None = None):
-        super().__init__(message)
-        self.url = url
-
-
-class StorageNotFoundError(StorageError, FileNotFoundError):
-    """The file (or the bucket) does not exist."""
-
-
-# ------------------------------------------------------------------------------------------------------
-# which errors are transient
-
-
-_TRANSIENT_ERRNOS = {
-    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT,
-    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET, errno.EAGAIN,
-    getattr(errno, "EREMOTEIO", -1),  # s3fs's translation of HTTP 500 InternalError
-}
-_TRANSIENT_S3_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                       "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"}
-# Raised for reasons a retry cannot fix (also when caused by a transient error somewhere below).
-_NEVER_RETRY = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
-                ValueError, TypeError, AttributeError, KeyError, NotImplementedError)
-
-
-def _transient_status(status: Any) -> bool:
-    try:
-        status = int(status)
-    except (TypeError, ValueError):
-        return False
-    return status in (408, 429) or 500 <= status <= 599
-
-
-_LIB_TRANSIENT: tuple[type, ...] | None = None
-
-
-def _library_transient_types() -> tuple[type, ...]:
-    """Exception types of the optional libraries that always mean 'the network failed' (imported lazily)."""
-    global _LIB_TRANSIENT
-    if _LIB_TRANSIENT is None:
-        found: list[type] = []
-        with contextlib.suppress(ImportError):
-            import fsspec.exceptions
-            found.append(fsspec.exceptions.FSTimeoutError)
-        with contextlib.suppress(ImportError):
-            import aiohttp
-            found += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
-        with contextlib.suppress(ImportError):
-            import requests.exceptions as rq
-            found += [rq.ConnectionError, rq.Timeout, rq.ChunkedEncodingError]
-        with contextlib.suppress(ImportError):
-            import google.auth.exceptions as ga
-            found += [ga.TransportError]
-        with contextlib.suppress(ImportError):
-            import gcsfs.retry as gr
-            found += [gr.ChecksumError]
-        with contextlib.suppress(ImportError):
-            import botocore.exceptions as bc
-            found += [bc.ConnectionError, bc.HTTPClientError]
-            for name in ("ResponseStreamingError", "IncompleteReadError"):
-                if hasattr(bc, name):
-                    found.append(getattr(bc, name))
-        _LIB_TRANSIENT = tuple(found)
-    return _LIB_TRANSIENT
-
-
-def _transient_one(e: BaseException) -> bool:
-    if isinstance(e, (ConnectionError, TimeoutError)):  # builtins: reset, refused, aborted, broken pipe
-        return True
-    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-        return True
-    if isinstance(e, _library_transient_types()):
-        return True
-    status = getattr(e, "status", None)  # aiohttp.ClientResponseError
-    if status is None and type(e).__name__ == "HttpError":  # gcsfs.retry.HttpError
-        status = getattr(e, "code", None)
-    if status is not None and _transient_status(status):
-        return True
-    response = getattr(e, "response", None)  # botocore ClientError
-    if isinstance(response, dict):
-        meta = response.get("ResponseMetadata") or {}
-        code = (response.get("Error") or {}).get("Code")
-        if _transient_status(meta.get("HTTPStatusCode")) or code in _TRANSIENT_S3_CODES:
-            return True
-    return False
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True when `exc` (or what caused it) is a network failure or an HTTP 408/429/5xx: worth a retry."""
-    if isinstance(exc, _NEVER_RETRY):
-        return False
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if _transient_one(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-# ------------------------------------------------------------------------------------------------------
-# messages
-
-
-def _redact(text: str) -> str:
-    """Drop `user:secret@` from any URL in `text`."""
-    return re.sub(r"(//)[^/@\s]*@", r"\1", text)
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, ConnectionRefusedError):
-        what = "connection refused"
-    elif isinstance(e, ConnectionResetError):
-        what = "connection reset"
-    else:
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        what = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-    what = _redact(what)
-    return what if len(what) <= 300 else what[:297] + "..."
-
-
-# ------------------------------------------------------------------------------------------------------
-# filesystems (one per protocol + endpoint + process, shared by every Storage on it)
-
-
-_FS_CACHE: dict[tuple, Any] = {}
-_FS_LOCK = threading.Lock()
-
-
-def _gcs_filesystem() -> Any:
-    env = os.environ
-    emulator = _custom_endpoint("gs")
-    zonal = env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
-    key = ("gs", env.get("STORAGE_EMULATOR_HOST"), zonal, env.get("GOOGLE_APPLICATION_CREDENTIALS"), os.getpid())
-    with _FS_LOCK:
-        if key in _FS_CACHE:
-            return _FS_CACHE[key]
-        try:
-            import aiohttp
-            import gcsfs
-            import gcsfs.core
-        except ImportError as e:
-            raise StorageError(f"gs:// needs gcsfs ({e}); pip install 'harvest[gcs]'") from None
-        # gcsfs's zonal/HNS support (the default) probes each bucket over gRPC, which an emulator does not
-        # serve (a minute per bucket): there, unless the user asked for it, use the plain JSON-API class.
-        if (zonal is not None and zonal.lower() not in ("true", "1")) or (emulator and zonal is None):
-            base = gcsfs.core.GCSFileSystem
-        else:
-            base = gcsfs.GCSFileSystem
-        # gcsfs retries inside every HTTP request (6 tries, up to ~30 s of sleeps, a logged traceback each
-        # time it gives up) with no knob per instance; retries are done once, here, instead.
-        raw_request = getattr(gcsfs.core.GCSFileSystem._request, "__wrapped__", None)
-        attrs: dict[str, Any] = {}
-        if raw_request is not None:
-            async def _request(self, *args, **kwargs):
-                return await raw_request(self, *args, **kwargs)
-            attrs["_request"] = _request
-        else:  # another gcsfs: its retries then add to ours
-            log.debug("gcsfs has no unwrapped _request; its own retries stay on")
-        cls = type("HarvestGCSFileSystem", (base,), attrs)
-        options: dict[str, Any] = {
-            "skip_instance_cache": True,
-            "use_listings_cache": False,
-            "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120),
-        }
-        if emulator:
-            options["token"] = "anon"  # emulators take no credentials; skips the metadata-server probe
-        fs = cls(**options)
-        _FS_CACHE[key] = fs
-        return fs
-
-
-def _s3_filesystem() -> Any:
-    env = os.environ
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
-    region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
-    key = ("s3", endpoint, region, env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_PROFILE"), os.getpid())
-    with _FS_LOCK:
-        if key in _FS_CACHE:
-            return _FS_CACHE[key]
-        try:
-            import s3fs
-        except ImportError as e:
-            raise StorageError(f"s3:// needs s3fs ({e}); pip install 'harvest[s3]'") from None
-        client_kwargs: dict[str, Any] = {}
-        if endpoint:  # botocore reads AWS_ENDPOINT_URL itself too; explicit here so the cache key is honest
-            client_kwargs["endpoint_url"] = endpoint
-        if region:  # botocore reads only AWS_DEFAULT_REGION
-            client_kwargs["region_name"] = region
-        fs = s3fs.S3FileSystem(
-            skip_instance_cache=True,
-            use_listings_cache=False,
-            client_kwargs=client_kwargs,
-            # botocore's own retry loop off: retries are done here (see Storage.attempts).
-            config_kwargs={"connect_timeout": 10, "read_timeout": 120,
-                           "retries": {"total_max_attempts": 1, "mode": "standard"}},
-        )
-        fs.retries = 1  # s3fs's retry loop off, likewise
-        _FS_CACHE[key] = fs
-        return fs
-
-
-def _custom_endpoint(protocol: str) -> bool:
-    """True when the environment points `protocol` at an emulator or an S3-compatible store."""
-    env = os.environ
-    if protocol == "gs":
-        return env.get("STORAGE_EMULATOR_HOST", "") not in ("", "default")
-    if protocol == "s3":
-        return bool(env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
-    return False
-
-
-# ------------------------------------------------------------------------------------------------------
-
 
 class Storage:
     """Files under one root URL. See the module docstring."""
@@ -300,12 +93,12 @@ class Storage:
             rest = m.group(2).strip("/")
             rest = rest.split("@", 1)[1] if "@" in rest.split("/", 1)[0] else rest  # no credentials in URLs
             if not rest:
-                raise StorageError(f"{_redact(url)}: no bucket in the URL; use {scheme}://bucket/prefix")
+                raise StorageError(f"{redact(url)}: no bucket in the URL; use {scheme}://bucket/prefix")
             self._root = rest
             self.bucket = rest.split("/", 1)[0]
             self.url = f"{self.protocol}://{rest}"
         else:
-            raise StorageError(f"{_redact(url)}: unsupported URL scheme {scheme!r}; use a local path, gs:// or s3://")
+            raise StorageError(f"{redact(url)}: unsupported URL scheme {scheme!r}; use a local path, gs:// or s3://")
 
     # --- plumbing ---------------------------------------------------------------------------------------
 
@@ -326,9 +119,9 @@ class Storage:
     def fs(self) -> Any:
         """The fsspec filesystem behind an object-store root (None for local)."""
         if self.protocol == "gs":
-            return _gcs_filesystem()
+            return gcs_filesystem()
         if self.protocol == "s3":
-            return _s3_filesystem()
+            return s3_filesystem()
         return None
 
     @staticmethod
@@ -383,13 +176,13 @@ class Storage:
                     raise self._error(op, rel, e, attempt if transient else 0, time.monotonic() - start) from e
                 delay = min(self.backoff_cap, self.backoff * (2 ** (attempt - 1)))
                 delay = delay / 2 + random.uniform(0, delay / 2)  # jitter: workers don't retry in lockstep
-                log.warning("storage: %s %s failed (%s); retry %d/%d in %.1fs", op, _redact(self.url_of(rel)),
-                            _describe(e), attempt, self.attempts - 1, delay)
+                log.warning("storage: %s %s failed (%s); retry %d/%d in %.1fs", op, redact(self.url_of(rel)),
+                            describe(e), attempt, self.attempts - 1, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
     def _error(self, op: str, rel: str, e: BaseException, attempts: int, elapsed: float) -> StorageError:
-        url = _redact(self.url_of(rel))
+        url = redact(self.url_of(rel))
         writing = op in ("write", "create", "delete")
         if isinstance(e, (TypeError, AttributeError, NameError, AssertionError, RecursionError)):
             raise e  # a bug, not a storage problem: keep the traceback
@@ -404,13 +197,15 @@ class Storage:
             if blocker:
                 return StorageError(f"cannot {op} {url}: {blocker} is a file, not a directory", url)
         if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM)):
-            return StorageError(f"cannot {op} {url}: permission denied ({_describe(e)})", url)
+            return StorageError(f"cannot {op} {url}: permission denied ({describe(e)})", url)
         if isinstance(e, OSError) and e.errno == errno.EROFS:
             return StorageError(f"cannot {op} {url}: read-only file system", url)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             return StorageError(f"cannot {op} {url}: no space left on device", url)
-        tail = f" (gave up after {attempts} attempts over {elapsed:.1f}s)" if attempts else ""
-        return StorageError(f"cannot {op} {url}: {_describe(e)}{tail}", url)
+        if not attempts:
+            return StorageError(f"cannot {op} {url}: {describe(e)}", url)
+        return StorageUnreachable(f"cannot {op} {url}: {describe(e)} (gave up after {attempts} attempts over "
+                                  f"{elapsed:.1f}s); rerun the same command to resume", url)
 
     def _file_in_the_way(self, path: str) -> str | None:
         p = os.path.dirname(path)
@@ -449,7 +244,7 @@ class Storage:
         try:
             return json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StorageError(f"{_redact(self.url_of(rel))}: not valid JSON ({e})", self.url_of(rel)) from None
+            raise StorageError(f"{redact(self.url_of(rel))}: not valid JSON ({e})", self.url_of(rel)) from None
 
     def exists(self, rel: str = "") -> bool:
         path = self.path(rel)
@@ -551,8 +346,47 @@ class Storage:
         # One object PUT (or a resumable/multipart upload, finalised at the end): atomic by itself.
         self._retry("write", rel, lambda: self._put(fs, path, payload, create=False))
 
+    @contextlib.contextmanager
+    def open_write(self, rel: str) -> Iterator[Any]:
+        """A binary file to stream a large object into: it lands whole when the block exits without an
+        error, and not at all otherwise. Local: a temp file, synced, then renamed; GCS/S3: a resumable or
+        multipart upload, finalised at close. Not retried midway (a stream cannot be replayed): a failure
+        is a StorageError and the caller starts over."""
+        self._check_rel(rel)
+        path = self.path(rel)
+        try:
+            if self.is_local:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = self._tmp_name(path)
+                f = open(tmp, "xb")  # noqa: SIM115 - closed below, on both paths
+            else:
+                f = self.fs.open(path, "wb")
+        except Exception as e:
+            raise self._error("write", rel, e, 0, 0.0) from e
+        try:
+            yield f
+            if self.is_local:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                os.replace(tmp, path)
+                self._fsync_dir(os.path.dirname(path))
+            else:
+                f.close()  # the upload is finalised here
+        except BaseException as e:
+            if self.is_local:
+                f.close()
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+            elif hasattr(f, "discard"):
+                with contextlib.suppress(Exception):
+                    f.discard()  # an unfinished upload never becomes an object
+            if isinstance(e, Exception) and not isinstance(e, StorageError):
+                raise self._error("write", rel, e, 0, 0.0) from e
+            raise
+
     def write_json(self, rel: str, obj: Any) -> None:
-        self.write_bytes(rel, _json_bytes(obj))
+        self.write_bytes(rel, json_bytes(obj))
 
     def create_exclusive(self, rel: str, data: bytes) -> bool:
         """Create `rel` with `data` only if it does not exist. True: we created it (content complete when
@@ -571,7 +405,7 @@ class Storage:
         fs, path = self.fs, self.path(rel)
         precheck = self._exclusive_precheck
         if precheck is None:
-            precheck = _custom_endpoint(self.protocol)
+            precheck = custom_endpoint(self.protocol)
         failed_before = False
 
         def create() -> bool:
@@ -600,6 +434,66 @@ class Storage:
                 raise
         return self._retry("create", rel, create)
 
+    def read_versioned(self, rel: str) -> Versioned | None:
+        """`rel`'s bytes and the token that `replace_if` compares against; None if it does not exist.
+
+        The token is read before the bytes: when the object changes in between, the bytes are newer than
+        the token and a `replace_if` with it fails, which is the safe side.
+        """
+        path = self.path(rel)
+        if self.is_local:
+            def read() -> Versioned | None:
+                try:
+                    with open(path, "rb") as f:
+                        data = f.read()
+                except FileNotFoundError:
+                    return None
+                return Versioned(data, hashlib.sha256(data).hexdigest())
+            return self._retry("read", rel, read)
+        fs = self.fs
+        key = "generation" if self.protocol == "gs" else "ETag"
+
+        def read_remote() -> Versioned | None:
+            fs.invalidate_cache()
+            try:
+                token = str(fs.info(path)[key])
+                return Versioned(fs.cat_file(path), token)
+            except FileNotFoundError:
+                return None
+        return self._retry("read", rel, read_remote)
+
+    def replace_if(self, rel: str, data: bytes, token: str) -> bool:
+        """Compare-and-swap: write `data` to `rel` only if it still is the version `token` names
+        (from `read_versioned`). True: replaced; False: it changed or vanished since (left untouched).
+
+        Local: the directory is locked (flock) while the bytes are compared and the file atomically
+        replaced. GCS: an upload with `ifGenerationMatch=<generation>`. S3: a PUT with `If-Match: <ETag>`.
+        Small objects only (leases, markers): one request, no multipart.
+        """
+        self._check_rel(rel)
+        payload = bytes(data)
+        if self.is_local:
+            return self._retry("replace", rel, lambda: self._local_replace_if(self.path(rel), payload, token))
+        fs, path = self.fs, self.path(rel)
+
+        def swap() -> bool:
+            try:
+                if self.protocol == "gs":
+                    self._gcs_media_upload(fs, path, payload, ifGenerationMatch=token)
+                else:
+                    bucket, key, _ = fs.split_path(path)
+                    fs.call_s3("put_object", Bucket=bucket, Key=key, Body=payload, IfMatch=token)
+                return True
+            except (FileExistsError, FileNotFoundError):  # 412 precondition failed / 404 gone
+                return False
+            except Exception as e:
+                if _precondition_failed(e):
+                    return False
+                raise
+            finally:
+                fs.invalidate_cache()
+        return self._retry("replace", rel, swap)
+
     _GCS_MEDIA_MAX = 50 * 2**20  # gcsfs's own switch to resumable uploads
 
     def _put(self, fs: Any, path: str, payload: bytes, *, create: bool) -> None:
@@ -608,18 +502,21 @@ class Storage:
             # gcsfs sends small objects as multipart/related with bare-LF delimiters, so an object whose
             # last byte is CR is ambiguous to a CRLF-tolerant parser: the emulator drops that byte (1 in 256
             # binary shards). A media upload sends the bytes as the body, nothing around them.
-            from urllib.parse import quote
-
-            bucket, key, _ = fs.split_path(path)
-            params: dict[str, Any] = {"uploadType": "media", "name": key}
-            if create:
-                params["ifGenerationMatch"] = "0"  # create only if absent: HTTP 412 -> FileExistsError
-            fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o", data=payload,
-                    headers={"Content-Type": "application/octet-stream"}, json_out=True, **params)
+            self._gcs_media_upload(fs, path, payload, **({"ifGenerationMatch": "0"} if create else {}))
             return
         # gs:// resumable upload (raw chunks, finalised at the end; ifGenerationMatch=0 with mode="create"),
         # s3:// PUT or multipart upload (If-None-Match: * with mode="create").
         fs.pipe_file(path, payload, mode="create" if create else "overwrite")
+
+    @staticmethod
+    def _gcs_media_upload(fs: Any, path: str, payload: bytes, **params: str) -> None:
+        """One GCS media upload; `ifGenerationMatch` in params makes it conditional (HTTP 412 if not met)."""
+        from urllib.parse import quote
+
+        bucket, key, _ = fs.split_path(path)
+        fs.call("POST", f"{fs._location}/upload/storage/v1/b/{quote(bucket, safe='')}/o", data=payload,
+                headers={"Content-Type": "application/octet-stream"}, json_out=True,
+                uploadType="media", name=key, **params)
 
     def remove_stale_temps(self, rel: str = "") -> list[str]:
         """Delete the temp files that writes cut short (a killed process) left directly under `rel`.
@@ -699,6 +596,36 @@ class Storage:
             raise
         self._fsync_dir(d)
 
+    def _local_replace_if(self, path: str, data: bytes, token: str) -> bool:
+        """The new bytes are written and synced first; the lock covers only the compare and the rename, so a
+        process stopped at a random moment (SIGSTOP, a suspended VM) almost never stops holding it."""
+        d = os.path.dirname(path)
+        if not os.path.isdir(d):
+            return False
+        tmp: str | None = self._tmp_name(path)
+        try:
+            self._write_synced(tmp, data, "xb")
+            fd = os.open(d, os.O_RDONLY)
+            try:
+                _flock(fd)
+                try:
+                    with open(path, "rb") as f:
+                        current = f.read()
+                except FileNotFoundError:
+                    return False
+                if hashlib.sha256(current).hexdigest() != token:
+                    return False
+                os.replace(tmp, path)
+                tmp = None
+            finally:
+                os.close(fd)  # releases the lock
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+        self._fsync_dir(d)
+        return True
+
     def _local_create(self, path: str, data: bytes) -> bool:
         d = os.path.dirname(path)
         os.makedirs(d, exist_ok=True)
@@ -727,10 +654,6 @@ class Storage:
         return True
 
 
-def _json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
-
-
 class _ReopeningReader(io.RawIOBase):
     """A raw reader over an object-store file that reopens at the current offset after a transient error."""
 
@@ -742,6 +665,23 @@ class _ReopeningReader(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move to `offset` (from the start, here or the end): the next read reopens there."""
+        if whence == io.SEEK_CUR:
+            offset += self._pos
+        elif whence == io.SEEK_END:
+            offset += self._storage.size(self._rel)
+        if offset != self._pos:
+            self._drop()
+            self._pos = offset
+        return self._pos
 
     def _drop(self) -> None:
         f, self._f = self._f, None
@@ -769,3 +709,41 @@ class _ReopeningReader(io.RawIOBase):
     def close(self) -> None:
         self._drop()
         super().close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    """An object's bytes and its version token (local: sha256; GCS: generation; S3: ETag)."""
+
+    data: bytes
+    token: str
+
+
+def _flock(fd: int, wait_s: float = 5.0) -> None:
+    """An exclusive flock on `fd`, waiting at most `wait_s`: the holder's critical section is a read and a
+    rename, so a longer wait means a stopped process holds it (a transient error, retried by the caller)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the directory lock is held by another process") from None
+            time.sleep(0.002)
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """HTTP 412 from any layer (s3fs wraps botocore's error in an OSError): the condition did not hold.
+    S3's 409 ConditionalRequestConflict, two conditional writes racing, is transient instead: retried."""
+    e: BaseException | None = exc
+    while e is not None:
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            if code == "PreconditionFailed" or (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 412:
+                return True
+        if getattr(e, "code", None) == 412 or getattr(e, "status", None) == 412:
+            return True
+        e = e.__cause__ or e.__context__
+    return False

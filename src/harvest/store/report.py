@@ -18,8 +18,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from harvest.config import format_ranges
 from harvest.errors import UserError
+from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import (
@@ -29,6 +29,7 @@ from harvest.store.reader import (
     read_run_info,
     stream_count,
 )
+from harvest.store.records import Progress, Sidecar
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
@@ -85,29 +86,29 @@ class RunScanner:
         self.info = read_run_info(self.storage)
         self.streams = covered_streams(self.info)
         self.threads = threads
-        self._sidecars: dict[tuple[int, int], dict[str, Any]] = {}
+        self._sidecars: dict[tuple[int, int], Sidecar] = {}
 
     def _scan_stream(self, stream: int) -> dict[str, Any]:
         sdir = fmt.stream_dir(stream)
         names = list_sidecars(self.storage, stream)
-        committed: list[dict[str, Any]] = []
+        committed: list[Sidecar] = []
         for expected, name in enumerate(names):  # the contiguous run from shard 0, as a resume sees it
             k = int(name[len("shard_"):-len(".json")])
             if k != expected:
                 break
             if (stream, k) not in self._sidecars:
                 try:
-                    self._sidecars[(stream, k)] = self.storage.read_json(f"{sdir}/{name}")
+                    self._sidecars[(stream, k)] = Sidecar.from_bytes(self.storage.read_bytes(f"{sdir}/{name}"))
                 except (ValueError, UserError):
                     break
             committed.append(self._sidecars[(stream, k)])
         progress = None
         try:
             if self.storage.exists(f"{sdir}/progress.json"):
-                progress = self.storage.read_json(f"{sdir}/progress.json")
+                progress = Progress.from_bytes(self.storage.read_bytes(f"{sdir}/progress.json"))
         except (ValueError, UserError):
             progress = None  # being rewritten; status is for show
-        return {"stream": stream, "committed": committed, "progress": progress if isinstance(progress, dict) else None}
+        return {"stream": stream, "committed": committed, "progress": progress}
 
     def scan(self) -> list[dict[str, Any]]:
         if len(self.streams) <= 1:
@@ -117,13 +118,13 @@ class RunScanner:
 
 
 def _row(info: dict[str, Any], scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
-    s, committed, progress = scanned["stream"], scanned["committed"], scanned["progress"] or {}
-    done = bool(committed) and bool(committed[-1].get("final"))
-    records = int(committed[-1]["records"]) if committed else 0
+    s, committed, progress = scanned["stream"], scanned["committed"], scanned["progress"]
+    done = bool(committed) and committed[-1].final
+    records = committed[-1].records if committed else 0
     total = stream_count(info, s)
     if total is None:
-        total = records if done else progress.get("total")
-    age = _age(progress.get("updated_at"), now)
+        total = records if done else (progress.total if progress else None)
+    age = _age(progress.updated_at if progress else None, now)
     if done:
         state = "done"
     elif not committed and not progress:
@@ -134,11 +135,11 @@ def _row(info: dict[str, Any], scanned: dict[str, Any], now: datetime) -> dict[s
         state = "running"
     return {
         "stream": s, "state": state, "records": records, "total": total,
-        "samples": sum(int(sc["samples"]) for sc in committed),
-        "tokens": sum(int(sc["tokens"]) for sc in committed),
-        "shards": len(committed), "bytes": sum(int(sc["bytes"]) for sc in committed),
-        "rate": float(progress.get("tokens_per_s") or 0.0) if state == "running" else 0.0,
-        "worker": progress.get("worker") or "-", "age": age,
+        "samples": sum(sc.samples for sc in committed),
+        "tokens": sum(sc.tokens for sc in committed),
+        "shards": len(committed), "bytes": sum(sc.bytes for sc in committed),
+        "rate": progress.tokens_per_s if progress and state == "running" else 0.0,
+        "worker": progress.worker if progress else "-", "age": age,
     }
 
 

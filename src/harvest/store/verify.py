@@ -25,14 +25,13 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from harvest.config import format_ranges
 from harvest.errors import UserError
+from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.reader import (
@@ -44,11 +43,10 @@ from harvest.store.reader import (
     list_stream_dirs,
     position,
 )
+from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
 STREAM_FILES = {"progress.json", "lease.json"}  # allowed in a stream directory besides shards and sidecars
-_SIDECAR_KEYS = {"stream": int, "shard": int, "bytes": int, "sha256": str, "start": list, "next": list,
-                 "samples": int, "tokens": int, "stats": dict, "skipped": list, "final": bool, "records": int}
 _EXPECTED_ARRAYS = {"tokens": (np.int32, 1), "offsets": (np.int64, 1), "sample_ids": (np.int64, 1),
                     "variants": (np.int32, 1)}
 
@@ -89,359 +87,367 @@ class _Shard:
     """What verify learned about one committed shard of a stream."""
 
     k: int
-    sidecar: dict[str, Any]
+    sidecar: Sidecar
     sample_ids: np.ndarray | None = None
     variants: np.ndarray | None = None
 
 
-class _Verifier:
-    def __init__(self, storage: Storage, workers: int):
-        self.storage = storage
-        self.workers = workers
-        self.report = Report(storage.url)
-        self._problems: list[tuple[str, str]] = []  # (path in the run, message); appended from threads
+class Problems:
+    """Problems found, as (path in the run, message); checks append from several threads."""
 
-    def problem(self, rel: str, message: str) -> None:
-        self._problems.append((rel, message))
+    def __init__(self):
+        self.found: list[tuple[str, str]] = []
 
-    def run(self) -> Report:
-        info = self.run_info()
-        if info is None:
-            return self.finish()
+    def add(self, rel: str, message: str) -> None:
+        self.found.append((rel, message))
+
+    def lines(self, url: str) -> list[str]:
+        """One line per problem, grouped by file in path order (threads report in any order)."""
+        return [f"{url.rstrip('/')}/{rel}: {message}" for rel, message in sorted(self.found, key=lambda p: p[0])]
+
+
+def verify(url: str | Storage, *, workers: int = 4) -> Report:
+    """Check one run (see the module doc); `workers` shards are read and checked at a time."""
+    storage = url if isinstance(url, Storage) else Storage(str(url))
+    report, problems = Report(storage.url), Problems()
+    info = check_run_info(storage, problems)
+    if info is not None:
         streams = covered_streams(info)
-        self.report.streams = len(streams)
-        for d in list_stream_dirs(self.storage):
-            if d not in streams:
-                self.problem(fmt.stream_dir(d) + "/",
-                             f"stream directory outside the run (run.json data covers streams {format_ranges(streams, sep=', ', limit=6)})")
-        listing = {s: self.list_stream(s) for s in streams}
+        report.streams = len(streams)
+        check_stream_dirs(storage, streams, problems)
+        listing = {s: list_stream(storage, s, problems) for s in streams}
         jobs = [(s, k) for s in streams for k, _ in listing[s]]
-        with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
-            sidecars = dict(zip(jobs, pool.map(lambda job: self.read_sidecar(*job), jobs)))
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            sidecars = dict(zip(jobs, pool.map(lambda job: read_sidecar(storage, *job, problems), jobs)))
             checked = [(s, k) for s in streams for k, has_data in listing[s]
                        if has_data and sidecars[(s, k)] is not None]
-            results = pool.map(lambda job: self.check_shard(info, *job, sidecars[job]), checked)
+            results = pool.map(lambda job: check_shard(storage, info, *job, sidecars[job], problems), checked)
             arrays = dict(zip(checked, results))
         for s in streams:
             shards = [_Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
                       for k, _ in listing[s] if sidecars[(s, k)] is not None]
-            self.check_stream(info, s, shards)
-        return self.finish()
+            check_stream(info, s, shards, problems, report)
+    report.problems = problems.lines(storage.url)
+    return report
 
-    def finish(self) -> Report:
-        """Problems grouped by file, in path order (threads report in any order), one line each."""
-        self._problems.sort(key=lambda p: p[0])
-        self.report.problems = [f"{self.storage.url.rstrip('/')}/{rel}: {msg}" for rel, msg in self._problems]
-        return self.report
 
-    # run.json -------------------------------------------------------------------------------------------
-    def run_info(self) -> dict[str, Any] | None:
-        if not self.storage.exists("run.json"):
-            self.problem("run.json", "missing: not a harvest run, or one that never started")
-            return None
+def check_stream_dirs(storage: Storage, streams: list[int], problems: Problems) -> None:
+    """No stream directory outside the streams run.json covers."""
+    for d in list_stream_dirs(storage):
+        if d not in streams:
+            problems.add(fmt.stream_dir(d) + "/", "stream directory outside the run (run.json data covers streams "
+                                                  f"{format_ranges(streams, sep=', ', limit=6)})")
+
+
+def check_run_info(storage: Storage, problems: Problems) -> dict[str, Any] | None:
+    """run.json's fields that the other checks rely on; None (and problems) when it cannot be used."""
+    if not storage.exists("run.json"):
+        problems.add("run.json", "missing: not a harvest run, or one that never started")
+        return None
+    try:
+        info = storage.read_json("run.json")
+    except (ValueError, UserError) as e:
+        problems.add("run.json", f"unreadable ({e})")
+        return None
+    bad = []
+    if not isinstance(info, dict):
+        problems.add("run.json", "not a JSON object")
+        return None
+    if info.get("format_version") != fmt.FORMAT_VERSION:
+        bad.append(f"format_version {info.get('format_version')!r}, this harvest reads {fmt.FORMAT_VERSION}")
+    tensors = info.get("tensors")
+    if not isinstance(tensors, dict) or not tensors or not all(
+            isinstance(w, int) and w > 0 for w in tensors.values()):
+        bad.append(f"tensors must map names to positive widths, got {tensors!r}")
+    if info.get("dtype") not in fmt.DTYPES:
+        bad.append(f"dtype {info.get('dtype')!r} is not one of {', '.join(fmt.DTYPES)}")
+    data = info.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("num_streams"), int) or data["num_streams"] < 1:
+        bad.append("data.num_streams must be a positive integer")
+    else:
+        counts = data.get("counts")
+        if counts is not None and (not isinstance(counts, list) or len(counts) != data["num_streams"]
+                                   or not all(isinstance(c, int) and c >= 0 for c in counts)):
+            bad.append(f"data.counts must be null or {data['num_streams']} record counts, got {counts!r}")
+        if counts is None and data["num_streams"] != 1:
+            bad.append("data.counts is null (a source of unknown length) but num_streams is not 1")
+        if data.get("streams") is not None and not all(
+                isinstance(s, int) and 0 <= s < data["num_streams"] for s in data["streams"]):
+            bad.append(f"data.streams must list stream numbers below num_streams, got {data['streams']!r}")
+    if not bad:
         try:
-            info = self.storage.read_json("run.json")
-        except (ValueError, UserError) as e:
-            self.problem("run.json", f"unreadable ({e})")
-            return None
-        bad = []
-        if not isinstance(info, dict):
-            self.problem("run.json", "not a JSON object")
-            return None
-        if info.get("format_version") != fmt.FORMAT_VERSION:
-            bad.append(f"format_version {info.get('format_version')!r}, this harvest reads {fmt.FORMAT_VERSION}")
-        tensors = info.get("tensors")
-        if not isinstance(tensors, dict) or not tensors or not all(
-                isinstance(w, int) and w > 0 for w in tensors.values()):
-            bad.append(f"tensors must map names to positive widths, got {tensors!r}")
-        if info.get("dtype") not in fmt.DTYPES:
-            bad.append(f"dtype {info.get('dtype')!r} is not one of {', '.join(fmt.DTYPES)}")
-        data = info.get("data")
-        if not isinstance(data, dict) or not isinstance(data.get("num_streams"), int) or data["num_streams"] < 1:
-            bad.append("data.num_streams must be a positive integer")
-        else:
-            counts = data.get("counts")
-            if counts is not None and (not isinstance(counts, list) or len(counts) != data["num_streams"]
-                                       or not all(isinstance(c, int) and c >= 0 for c in counts)):
-                bad.append(f"data.counts must be null or {data['num_streams']} record counts, got {counts!r}")
-            if counts is None and data["num_streams"] != 1:
-                bad.append("data.counts is null (a source of unknown length) but num_streams is not 1")
-            if data.get("streams") is not None and not all(
-                    isinstance(s, int) and 0 <= s < data["num_streams"] for s in data["streams"]):
-                bad.append(f"data.streams must list stream numbers below num_streams, got {data['streams']!r}")
-        for message in bad:
-            self.problem("run.json", message)
-        return None if bad else info
-
-    # a stream's directory -------------------------------------------------------------------------------
-    def list_stream(self, s: int) -> list[tuple[int, bool]]:
-        """(shard number, data file present) for each sidecar; reports orphans and unknown files."""
-        sdir = fmt.stream_dir(s)
-        names = self.storage.listdir(sdir)
-        sidecars, files = set(), set()
-        for name in names:
-            if m := SIDECAR.match(name):
-                sidecars.add(int(m.group(1)))
-            elif m := SHARD_FILE.match(name):
-                files.add(int(m.group(1)))
-            elif name not in STREAM_FILES:
-                self.problem(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
-                                               "progress.json or lease.json)")
-        for k in sorted(files - sidecars):
-            self.problem(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                         "orphan shard file: no sidecar, so never committed (a resumed run rewrites it)")
-        for k in sorted(sidecars - files):
-            self.problem(f"{sdir}/{fmt.shard_stem(k)}.json",
-                         f"sidecar without its data: {fmt.shard_stem(k)}.safetensors is missing")
-        return [(k, k in files) for k in sorted(sidecars)]
-
-    def read_sidecar(self, s: int, k: int) -> dict[str, Any] | None:
-        rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json"
-        try:
-            sc = self.storage.read_json(rel)
-        except (ValueError, UserError) as e:
-            self.problem(rel, f"unreadable sidecar ({e})")
-            return None
-        if not isinstance(sc, dict):
-            self.problem(rel, "sidecar is not a JSON object")
-            return None
-        bad = [f"{key} missing or not {kind.__name__}" for key, kind in _SIDECAR_KEYS.items()
-               if not isinstance(sc.get(key), kind) or (kind is int and isinstance(sc.get(key), bool))]
-        bad += [f"{key} must be [index, variant]" for key in ("start", "next")
-                if isinstance(sc.get(key), list)
-                and (len(sc[key]) != 2 or not all(isinstance(v, int) for v in sc[key]))]
-        if not bad:
-            if sc["stream"] != s:
-                bad.append(f"says stream {sc['stream']}, lies in {fmt.stream_dir(s)}")
-            if sc["shard"] != k:
-                bad.append(f"says shard {sc['shard']}, named {fmt.shard_stem(k)}")
-            if sc.get("file", fmt.shard_stem(k) + ".safetensors") != fmt.shard_stem(k) + ".safetensors":
-                bad.append(f"names file {sc['file']!r}, not {fmt.shard_stem(k)}.safetensors")
-            if position(sc["start"]) > position(sc["next"]):
-                bad.append(f"start {sc['start']} after next {sc['next']}")
-        for message in bad:
-            self.problem(rel, f"bad sidecar: {message}")
-        return None if bad else sc
-
-    # one shard's data -----------------------------------------------------------------------------------
-    def check_shard(self, info: dict[str, Any], s: int, k: int, sc: dict[str, Any]):
-        """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
-        rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.safetensors"
-        try:
-            data = self.storage.read_bytes(rel)
-        except UserError as e:
-            self.problem(rel, f"unreadable ({e})")
-            return None, None
-        if len(data) != sc["bytes"] or fmt.sha256(data) != sc["sha256"]:
-            self.problem(rel, f"checksum mismatch: {len(data)} bytes sha256 {fmt.sha256(data)[:16]}..., sidecar says "
-                              f"{sc['bytes']} bytes sha256 {str(sc['sha256'])[:16]}... (corrupted or overwritten)")
-        try:
-            meta = fmt.shard_metadata(data)
-            if meta.get("format") != "harvest":
-                self.problem(rel, "safetensors metadata lacks format=harvest")
-            if meta.get("stream", str(s)) != str(s) or meta.get("shard", str(k)) != str(k):
-                self.problem(rel, f"its metadata says stream {meta.get('stream')} shard {meta.get('shard')}")
-            t = fmt.decode_shard(data)
+            RunInfo.from_json(info)
         except ValueError as e:
-            self.problem(rel, str(e))
-            return None, None
-        del data
-        bad = []
-        for name, (dtype, ndim) in _EXPECTED_ARRAYS.items():
-            if name not in t:
-                bad.append(f"no {name} tensor")
-            elif t[name].dtype != dtype or t[name].ndim != ndim:
-                bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, expected {np.dtype(dtype).name} 1-d")
-        if bad:
-            for message in bad:
-                self.problem(rel, message)
-            return None, None
-        n, n_tokens = len(t["sample_ids"]), len(t["tokens"])
-        offsets = t["offsets"]
-        if n != sc["samples"]:
-            bad.append(f"{n} samples, sidecar says {sc['samples']}")
-        if n_tokens != sc["tokens"]:
-            bad.append(f"{n_tokens} tokens, sidecar says {sc['tokens']}")
-        if len(t["variants"]) != n:
-            bad.append(f"{len(t['variants'])} variants for {n} samples")
-        if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
-            bad.append(f"offsets must run non-decreasing from 0 to {n_tokens} over {n + 1} entries "
-                       f"(got {len(offsets)} entries, {offsets[:1].tolist()}..{offsets[-1:].tolist()})")
-        want_dtype = np.dtype(fmt.DTYPES[info["dtype"]])
-        for name, width in info["tensors"].items():
-            if name not in t:
-                bad.append(f"no {name} tensor")
-            elif t[name].shape != (n_tokens, width) or t[name].dtype != want_dtype:
-                bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, run.json says "
-                           f"{info['dtype']}[{n_tokens}, {width}]")
-            stats = sc["stats"].get(name)
-            if not isinstance(stats, dict) or stats.get("count") != n_tokens or len(stats.get("mean") or []) != width:
-                bad.append(f"sidecar stats for {name} do not cover {n_tokens} tokens x {width}")
-        extra = sorted(set(t) - set(info["tensors"]) - set(SHARD_ARRAYS))
-        if extra:
-            bad.append(f"tensors not in run.json: {', '.join(extra)}")
+            bad.append(f"not a harvest run.json ({e})")
+    for message in bad:
+        problems.add("run.json", message)
+    return None if bad else info
+
+
+def list_stream(storage: Storage, s: int, problems: Problems) -> list[tuple[int, bool]]:
+    """(shard number, data file present) for each sidecar; reports orphans and unknown files."""
+    sdir = fmt.stream_dir(s)
+    names = storage.listdir(sdir)
+    sidecars, files = set(), set()
+    for name in names:
+        if m := SIDECAR.match(name):
+            sidecars.add(int(m.group(1)))
+        elif m := SHARD_FILE.match(name):
+            files.add(int(m.group(1)))
+        elif name not in STREAM_FILES:
+            problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
+                                           "progress.json or lease.json)")
+    for k in sorted(files - sidecars):
+        problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
+                     "orphan shard file: no sidecar, so never committed (a resumed run rewrites it)")
+    for k in sorted(sidecars - files):
+        problems.add(f"{sdir}/{fmt.shard_stem(k)}.json",
+                     f"sidecar without its data: {fmt.shard_stem(k)}.safetensors is missing")
+    return [(k, k in files) for k in sorted(sidecars)]
+
+
+def read_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sidecar | None:
+    rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json"
+    try:
+        sc = Sidecar.from_bytes(storage.read_bytes(rel))
+    except UserError as e:
+        problems.add(rel, f"unreadable sidecar ({e})")
+        return None
+    except ValueError as e:
+        problems.add(rel, f"bad sidecar: {e}")
+        return None
+    bad = []
+    if sc.stream != s:
+        bad.append(f"says stream {sc.stream}, lies in {fmt.stream_dir(s)}")
+    if sc.shard != k:
+        bad.append(f"says shard {sc.shard}, named {fmt.shard_stem(k)}")
+    if sc.file != fmt.shard_stem(k) + ".safetensors":
+        bad.append(f"names file {sc.file!r}, not {fmt.shard_stem(k)}.safetensors")
+    for message in bad:
+        problems.add(rel, f"bad sidecar: {message}")
+    return None if bad else sc
+
+
+def check_shard(storage: Storage, info: dict[str, Any], s: int, k: int, sc: Sidecar, problems: Problems):
+    """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
+    rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.safetensors"
+    try:
+        data = storage.read_bytes(rel)
+    except UserError as e:
+        problems.add(rel, f"unreadable ({e})")
+        return None, None
+    if len(data) != sc.bytes or fmt.sha256(data) != sc.sha256:
+        problems.add(rel, f"checksum mismatch: {len(data)} bytes sha256 {fmt.sha256(data)[:16]}..., sidecar says "
+                          f"{sc.bytes} bytes sha256 {str(sc.sha256)[:16]}... (corrupted or overwritten)")
+    try:
+        meta = fmt.shard_metadata(data)
+        if meta.get("format") != "harvest":
+            problems.add(rel, "safetensors metadata lacks format=harvest")
+        if meta.get("stream", str(s)) != str(s) or meta.get("shard", str(k)) != str(k):
+            problems.add(rel, f"its metadata says stream {meta.get('stream')} shard {meta.get('shard')}")
+        t = fmt.decode_shard(data)
+    except ValueError as e:
+        problems.add(rel, str(e))
+        return None, None
+    del data
+    bad = []
+    for name, (dtype, ndim) in _EXPECTED_ARRAYS.items():
+        if name not in t:
+            bad.append(f"no {name} tensor")
+        elif t[name].dtype != dtype or t[name].ndim != ndim:
+            bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, expected {np.dtype(dtype).name} 1-d")
+    if bad:
         for message in bad:
-            self.problem(rel, message)
-        if len(t["variants"]) != n:
-            return None, None
-        return t["sample_ids"], t["variants"]
+            problems.add(rel, message)
+        return None, None
+    n, n_tokens = len(t["sample_ids"]), len(t["tokens"])
+    offsets = t["offsets"]
+    if n != sc.samples:
+        bad.append(f"{n} samples, sidecar says {sc.samples}")
+    if n_tokens != sc.tokens:
+        bad.append(f"{n_tokens} tokens, sidecar says {sc.tokens}")
+    if len(t["variants"]) != n:
+        bad.append(f"{len(t['variants'])} variants for {n} samples")
+    if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
+        bad.append(f"offsets must run non-decreasing from 0 to {n_tokens} over {n + 1} entries "
+                   f"(got {len(offsets)} entries, {offsets[:1].tolist()}..{offsets[-1:].tolist()})")
+    want_dtype = np.dtype(fmt.DTYPES[info["dtype"]])
+    for name, width in info["tensors"].items():
+        if name not in t:
+            bad.append(f"no {name} tensor")
+        elif t[name].shape != (n_tokens, width) or t[name].dtype != want_dtype:
+            bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, run.json says "
+                       f"{info['dtype']}[{n_tokens}, {width}]")
+        stats = sc.stats.get(name)
+        if not isinstance(stats, dict) or stats.get("count") != n_tokens or len(stats.get("mean") or []) != width:
+            bad.append(f"sidecar stats for {name} do not cover {n_tokens} tokens x {width}")
+    extra = sorted(set(t) - set(info["tensors"]) - set(SHARD_ARRAYS))
+    if extra:
+        bad.append(f"tensors not in run.json: {', '.join(extra)}")
+    for message in bad:
+        problems.add(rel, message)
+    if len(t["variants"]) != n:
+        return None, None
+    return t["sample_ids"], t["variants"]
 
-    # a stream as a whole ----------------------------------------------------------------------------------
-    def check_stream(self, info: dict[str, Any], s: int, shards: list[_Shard]) -> None:
-        sdir = fmt.stream_dir(s)
-        data = info["data"]
-        num_streams = data["num_streams"]
-        count = None if data.get("counts") is None else data["counts"][s]
-        if not shards:
-            self.problem(sdir + "/", "no committed shard: the stream was never started"
-                         + (f" ({count} records)" if count is not None else ""))
-            return
-        gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
-        previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
-        for sh in shards:
-            sc, rel = sh.sidecar, f"{sdir}/{fmt.shard_stem(sh.k)}.json"
-            start, next_ = position(sc["start"]), position(sc["next"])
-            if sh.k != expected:
-                missing = (fmt.shard_stem(expected) if sh.k == expected + 1
-                           else f"{fmt.shard_stem(expected)}..{fmt.shard_stem(sh.k - 1)}")
-                self.problem(rel, f"gap: {missing} missing before it (records from {list(previous_next)} "
-                                  f"to {list(start)} are in no shard)")
-                gaps.append((previous_next[0], start[0]))
-            elif start > previous_next:
-                self.problem(rel, f"gap: starts at {list(start)} but the previous shard ends at {list(previous_next)}")
-                gaps.append((previous_next[0], start[0]))
-            elif start < previous_next:
-                self.problem(rel, f"overlap: starts at {list(start)} but the previous shard already reached "
-                                  f"{list(previous_next)}")
-            if final_seen is not None:
-                self.problem(rel, f"shard after the final one ({fmt.shard_stem(final_seen)})")
-            if sc["records"] < previous_records:
-                self.problem(rel, f"records {sc['records']} less than the previous shard's {previous_records}")
-            if sc["final"] and final_seen is None:
-                final_seen = sh.k
-            previous_next, expected, previous_records = next_, sh.k + 1, sc["records"]
-            self.report.shards += 1
-            self.report.samples += sc["samples"]
-            self.report.tokens += sc["tokens"]
-            self.report.bytes += sc["bytes"]
-            self.report.skipped += len(sc["skipped"])
 
-        last = shards[-1].sidecar
-        if final_seen is None:
-            total = f" of {count}" if count is not None else ""
-            self.problem(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
-                         f"no final shard after this one: stream incomplete ({last['records']}{total} records "
-                         f"read, committed through {last['next']})")
-            end = position(last["next"])[0]
-        else:
-            final = next(sh.sidecar for sh in shards if sh.k == final_seen)
-            end = final["records"]
-            if count is not None and end != count:
-                self.problem(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
-                             f"final shard says the stream has {end} records, run.json data.counts says {count}")
-            if position(final["next"]) > (end, 0):
-                self.problem(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
-                             f"final shard ends at {final['next']}, past the stream's {end} records")
-        self.report.records += end
-        entries = sum(sh.sidecar["samples"] + len(sh.sidecar["skipped"]) for sh in shards)
-        if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
-            self.problem(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
-                         f"{end:,} records but only {entries:,} samples and skipped entries: at least "
-                         f"{end - entries:,} records have neither")
-            return
-        self.check_coverage(s, num_streams, shards, end, gaps)
+def check_stream(info: dict[str, Any], s: int, shards: list[_Shard], problems: Problems, report: Report) -> None:
+    """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage."""
+    sdir = fmt.stream_dir(s)
+    data = info["data"]
+    num_streams = data["num_streams"]
+    count = None if data.get("counts") is None else data["counts"][s]
+    if not shards:
+        problems.add(sdir + "/", "no committed shard: the stream was never started"
+                     + (f" ({count} records)" if count is not None else ""))
+        return
+    gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
+    previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
+    for sh in shards:
+        sc, rel = sh.sidecar, f"{sdir}/{fmt.shard_stem(sh.k)}.json"
+        start, next_ = position(sc.start), position(sc.next)
+        if sh.k != expected:
+            missing = (fmt.shard_stem(expected) if sh.k == expected + 1
+                       else f"{fmt.shard_stem(expected)}..{fmt.shard_stem(sh.k - 1)}")
+            problems.add(rel, f"gap: {missing} missing before it (records from {list(previous_next)} "
+                              f"to {list(start)} are in no shard)")
+            gaps.append((previous_next[0], start[0]))
+        elif start > previous_next:
+            problems.add(rel, f"gap: starts at {list(start)} but the previous shard ends at {list(previous_next)}")
+            gaps.append((previous_next[0], start[0]))
+        elif start < previous_next:
+            problems.add(rel, f"overlap: starts at {list(start)} but the previous shard already reached "
+                              f"{list(previous_next)}")
+        if final_seen is not None:
+            problems.add(rel, f"shard after the final one ({fmt.shard_stem(final_seen)})")
+        if sc.records < previous_records:
+            problems.add(rel, f"records {sc.records} less than the previous shard's {previous_records}")
+        if sc.final and final_seen is None:
+            final_seen = sh.k
+        previous_next, expected, previous_records = next_, sh.k + 1, sc.records
+        report.shards += 1
+        report.samples += sc.samples
+        report.tokens += sc.tokens
+        report.bytes += sc.bytes
+        report.skipped += len(sc.skipped)
 
-    def check_coverage(self, s: int, num_streams: int, shards: list[_Shard], end: int,
-                       gaps: list[tuple[int, int]]) -> None:
-        """Exactly once: each record 0..end-1 has samples or a skipped entry, nothing twice."""
-        sdir = fmt.stream_dir(s)
-        covered = np.zeros(max(end, 0), bool)
-        ids, variants, owner = [], [], []
-        # Skipped entries as format.sidecar has them ({sample_id, location, reason}) name no variant: a record
-        # may have several (empty variants) next to written pieces, so they only count for coverage. Entries
-        # that do name a variant are held to exactly once.
-        skipped_pieces: dict[tuple[int, int], int] = {}
-        for sh in shards:
-            sc = sh.sidecar
-            start, next_ = position(sc["start"]), position(sc["next"])
-            data_rel = f"{sdir}/{fmt.shard_stem(sh.k)}.safetensors"
-            if sh.sample_ids is not None and len(sh.sample_ids):
-                sid, var = sh.sample_ids, sh.variants.astype(np.int64)
-                index = sid // num_streams
-                wrong = sid % num_streams != s
-                if wrong.any():
-                    self.problem(data_rel, f"{int(wrong.sum())} sample_ids do not belong to stream {s} "
-                                           f"(e.g. {int(sid[wrong][0])}; sample_id = index * {num_streams} + stream)")
-                first, lastp = (int(index[0]), int(var[0])), (int(index[-1]), int(var[-1]))
-                order_ok = np.all((np.diff(index) > 0) | ((np.diff(index) == 0) & (np.diff(var) > 0)))
-                if not order_ok:
-                    self.problem(data_rel, "samples are not in strictly increasing (index, variant) order")
-                if first < start or lastp >= next_ or (var < 0).any():
-                    self.problem(data_rel, f"samples span {list(first)}..{list(lastp)}, outside the sidecar's "
-                                           f"[start {sc['start']}, next {sc['next']})")
-                ok = ~wrong & (index < end)
-                if (index[~wrong] >= end).any():
-                    self.problem(data_rel, f"samples past the stream's last record ({end} records)")
-                covered[index[ok]] = True
-                ids.append(sid)
-                variants.append(var)
-                owner.append(np.full(len(sid), sh.k))
-            elif sh.sample_ids is None:  # data unreadable, already reported: do not report its records again
-                gaps.append((start[0], next_[0] + 1))
-            for entry in sc["skipped"]:
-                sid = entry.get("sample_id") if isinstance(entry, dict) else None
-                if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
-                    self.problem(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
-                                 f"skipped entry {entry!r} has no sample_id of stream {s}")
-                    continue
-                i, variant = sid // num_streams, entry.get("variant")
-                if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
-                    self.problem(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
-                                 f"skipped sample_id {sid} (record {i}) outside "
-                                 f"[start {sc['start']}, next {sc['next']})")
-                if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
-                    key = (sid, int(variant))
-                    if key in skipped_pieces:
-                        self.problem(f"{sdir}/{fmt.shard_stem(sh.k)}.json", f"sample_id {sid} variant {variant} "
-                                     f"skipped twice (also in {fmt.shard_stem(skipped_pieces[key])}.json)")
-                    skipped_pieces[key] = sh.k
-                if i < end:
-                    covered[i] = True
+    last = shards[-1].sidecar
+    if final_seen is None:
+        total = f" of {count}" if count is not None else ""
+        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
+                     f"no final shard after this one: stream incomplete ({last.records}{total} records "
+                     f"read, committed through {list(last.next)})")
+        end = position(last.next)[0]
+    else:
+        final = next(sh.sidecar for sh in shards if sh.k == final_seen)
+        end = final.records
+        if count is not None and end != count:
+            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
+                         f"final shard says the stream has {end} records, run.json data.counts says {count}")
+        if position(final.next) > (end, 0):
+            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
+                         f"final shard ends at {list(final.next)}, past the stream's {end} records")
+    report.records += end
+    entries = sum(sh.sidecar.samples + len(sh.sidecar.skipped) for sh in shards)
+    if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
+        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
+                     f"{end:,} records but only {entries:,} samples and skipped entries: at least "
+                     f"{end - entries:,} records have neither")
+        return
+    check_coverage(s, num_streams, shards, end, gaps, problems)
 
-        if ids:
-            sid, var, own = np.concatenate(ids), np.concatenate(variants), np.concatenate(owner)
-            order = np.lexsort((own, var, sid))
-            sid, var, own = sid[order], var[order], own[order]
-            dup = np.flatnonzero((sid[1:] == sid[:-1]) & (var[1:] == var[:-1])) + 1
-            by_shard: dict[int, list[int]] = {}
-            for j in dup.tolist():
-                by_shard.setdefault(int(own[j]), []).append(j)
-            for k, js in sorted(by_shard.items()):
-                j = js[0]
-                self.problem(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                             f"{len(js)} duplicate sample{'s' * (len(js) > 1)}: sample_id {int(sid[j])} variant "
-                             f"{int(var[j])} is also in {fmt.shard_stem(int(own[j - 1]))}.safetensors")
-            pairs = set(zip(sid.tolist(), var.tolist())) if skipped_pieces else set()
-        else:
-            pairs = set()
-        for key, k in sorted(skipped_pieces.items()):
-            if key in pairs:
-                self.problem(f"{sdir}/{fmt.shard_stem(k)}.json",
-                             f"sample_id {key[0]} variant {key[1]} is both skipped and written")
 
-        missing = np.flatnonzero(~covered)
-        if gaps and len(missing):  # records inside a reported gap are not reported again
-            in_gap = np.zeros(len(missing), bool)
-            for lo, hi in gaps:
-                in_gap |= (missing >= lo) & (missing < hi)
-            missing = missing[~in_gap]
-        if len(missing):
-            starts = [position(sh.sidecar["start"])[0] for sh in shards]
-            for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
-                self.problem(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                             f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
-                             f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
-                             f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")
+def check_coverage(s: int, num_streams: int, shards: list[_Shard], end: int, gaps: list[tuple[int, int]],
+                   problems: Problems) -> None:
+    """Exactly once: each record 0..end-1 has samples or a skipped entry, nothing twice."""
+    sdir = fmt.stream_dir(s)
+    covered = np.zeros(max(end, 0), bool)
+    ids, variants, owner = [], [], []
+    # Skipped entries as format.sidecar has them ({sample_id, location, reason}) name no variant: a record
+    # may have several (empty variants) next to written pieces, so they only count for coverage. Entries
+    # that do name a variant are held to exactly once.
+    skipped_pieces: dict[tuple[int, int], int] = {}
+    for sh in shards:
+        sc = sh.sidecar
+        start, next_ = position(sc.start), position(sc.next)
+        data_rel = f"{sdir}/{fmt.shard_stem(sh.k)}.safetensors"
+        if sh.sample_ids is not None and len(sh.sample_ids):
+            sid, var = sh.sample_ids, sh.variants.astype(np.int64)
+            index = sid // num_streams
+            wrong = sid % num_streams != s
+            if wrong.any():
+                problems.add(data_rel, f"{int(wrong.sum())} sample_ids do not belong to stream {s} "
+                                       f"(e.g. {int(sid[wrong][0])}; sample_id = index * {num_streams} + stream)")
+            first, lastp = (int(index[0]), int(var[0])), (int(index[-1]), int(var[-1]))
+            order_ok = np.all((np.diff(index) > 0) | ((np.diff(index) == 0) & (np.diff(var) > 0)))
+            if not order_ok:
+                problems.add(data_rel, "samples are not in strictly increasing (index, variant) order")
+            if first < start or lastp >= next_ or (var < 0).any():
+                problems.add(data_rel, f"samples span {list(first)}..{list(lastp)}, outside the sidecar's "
+                                       f"[start {list(sc.start)}, next {list(sc.next)})")
+            ok = ~wrong & (index < end)
+            if (index[~wrong] >= end).any():
+                problems.add(data_rel, f"samples past the stream's last record ({end} records)")
+            covered[index[ok]] = True
+            ids.append(sid)
+            variants.append(var)
+            owner.append(np.full(len(sid), sh.k))
+        elif sh.sample_ids is None:  # data unreadable, already reported: do not report its records again
+            gaps.append((start[0], next_[0] + 1))
+        for entry in sc.skipped:
+            sid = entry.get("sample_id") if isinstance(entry, dict) else None
+            if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
+                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
+                             f"skipped entry {entry!r} has no sample_id of stream {s}")
+                continue
+            i, variant = sid // num_streams, entry.get("variant")
+            if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
+                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
+                             f"skipped sample_id {sid} (record {i}) outside "
+                             f"[start {list(sc.start)}, next {list(sc.next)})")
+            if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
+                key = (sid, int(variant))
+                if key in skipped_pieces:
+                    problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json", f"sample_id {sid} variant {variant} "
+                                 f"skipped twice (also in {fmt.shard_stem(skipped_pieces[key])}.json)")
+                skipped_pieces[key] = sh.k
+            if i < end:
+                covered[i] = True
+
+    if ids:
+        sid, var, own = np.concatenate(ids), np.concatenate(variants), np.concatenate(owner)
+        order = np.lexsort((own, var, sid))
+        sid, var, own = sid[order], var[order], own[order]
+        dup = np.flatnonzero((sid[1:] == sid[:-1]) & (var[1:] == var[:-1])) + 1
+        by_shard: dict[int, list[int]] = {}
+        for j in dup.tolist():
+            by_shard.setdefault(int(own[j]), []).append(j)
+        for k, js in sorted(by_shard.items()):
+            j = js[0]
+            problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
+                         f"{len(js)} duplicate sample{'s' * (len(js) > 1)}: sample_id {int(sid[j])} variant "
+                         f"{int(var[j])} is also in {fmt.shard_stem(int(own[j - 1]))}.safetensors")
+        pairs = set(zip(sid.tolist(), var.tolist())) if skipped_pieces else set()
+    else:
+        pairs = set()
+    for key, k in sorted(skipped_pieces.items()):
+        if key in pairs:
+            problems.add(f"{sdir}/{fmt.shard_stem(k)}.json",
+                         f"sample_id {key[0]} variant {key[1]} is both skipped and written")
+
+    missing = np.flatnonzero(~covered)
+    if gaps and len(missing):  # records inside a reported gap are not reported again
+        in_gap = np.zeros(len(missing), bool)
+        for lo, hi in gaps:
+            in_gap |= (missing >= lo) & (missing < hi)
+        missing = missing[~in_gap]
+    if len(missing):
+        starts = [position(sh.sidecar.start)[0] for sh in shards]
+        for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
+            problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
+                         f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
+                         f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
+                         f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")
 
 
 def _group_by_shard(records: np.ndarray, starts: list[int], ks: list[int]) -> dict[int, list[int]]:
@@ -451,17 +457,3 @@ def _group_by_shard(records: np.ndarray, starts: list[int], ks: list[int]) -> di
         out.setdefault(ks[j], []).append(r)
     return out
 
-
-def verify(url: str | Storage, *, workers: int = 4) -> Report:
-    """Check one run (see the module doc); `workers` shards are read and checked at a time."""
-    storage = url if isinstance(url, Storage) else Storage(str(url))
-    return _Verifier(storage, workers).run()
-
-
-def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
-    return [verify(url, workers=workers) for url in urls]
-
-
-def exit_code(reports: Sequence[Report]) -> int:
-    """The CLI's status: 0 when every run is clean, 1 on any problem."""
-    return 0 if all(r.ok for r in reports) else 1

@@ -1,0 +1,200 @@
+"""The small records harvest keeps on storage, as typed dataclasses read and written here only.
+
+Each has `to_json()` (a plain dict) and `from_json(obj)`, which checks every field's type and raises
+ValueError naming the field: these files come from storage and are not trusted. `to_bytes`/`from_bytes`
+add the canonical JSON encoding (sorted keys, UTF-8), so equal records are equal bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound="Record")
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+class Record:
+    """Base of the typed records: JSON in and out, with the fields' types checked on the way in."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_json(cls: type[R], obj: Any) -> R:
+        if not isinstance(obj, dict):
+            raise ValueError(f"expected an object, got {type(obj).__name__}")
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if field.name not in obj:
+                if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                    raise ValueError(f"missing field {field.name!r}")
+                continue
+            values[field.name] = _checked(field.name, obj[field.name], hints[field.name])
+        return cls(**values)
+
+    def to_bytes(self) -> bytes:
+        return json_bytes(self.to_json())
+
+    @classmethod
+    def from_bytes(cls: type[R], data: bytes) -> R:
+        try:
+            obj = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        return cls.from_json(obj)
+
+
+def _checked(name: str, value: Any, hint: Any) -> Any:
+    """`value` if it has the type `hint` names (int, float, str, bool, list, dict, tuples of ints, unions
+    with None); ValueError otherwise. JSON lists stand for tuples."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        base = typing.get_origin(option) or option
+        if base is bool and isinstance(value, bool):
+            return value
+        if base is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if base in (str, dict) and isinstance(value, base):
+            return value
+        if base is list and isinstance(value, list):
+            return value
+        if base is tuple and isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                              for v in value):
+            return tuple(value)
+    raise ValueError(f"field {name!r}: expected {hint}, got {value!r:.80}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRecord(Record):
+    """`stream_NNNNN/lease.json`: who writes the stream, and the version that every rewrite swaps."""
+
+    worker: str
+    host: str
+    boot_id: str
+    pid: int
+    version: int
+    heartbeat_at: str  # ISO 8601, UTC
+    released: bool = False
+
+    def age_s(self) -> float:
+        try:
+            then = datetime.fromisoformat(self.heartbeat_at)
+        except ValueError:
+            return float("inf")  # unreadable time: as good as expired
+        if then.tzinfo is None:
+            then = then.replace(tzinfo=timezone.utc)
+        return (datetime.now(timezone.utc) - then).total_seconds()
+
+    def describe(self) -> str:
+        return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
+
+
+Position = tuple[int, int]  # (index of the record in its stream, variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sidecar(Record):
+    """`stream_NNNNN/shard_NNNNNN.json`: the commit marker and manifest of one shard, written after its data.
+
+    `start`/`next`: the positions the shard covers, [start, next). `row_start`: where the packed row
+    holding `next` begins, from which a resume re-packs. `stats`: {tensor: RunningStats.to_json()}.
+    `skipped`: bad records and skipped long samples in the range, each {sample_id, location, reason}.
+    `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
+    through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
+    """
+
+    format_version: int
+    stream: int
+    shard: int
+    file: str
+    bytes: int
+    sha256: str
+    start: Position
+    next: Position
+    row_start: Position
+    samples: int
+    tokens: int
+    stats: dict
+    skipped: list
+    long: dict
+    final: bool
+    records: int
+
+    @classmethod
+    def of_shard(cls, data: bytes, *, stream: int, shard: int, stats: dict[str, Any], **fields: Any) -> Sidecar:
+        """The sidecar of shard bytes `data`: names, size and checksum from them; `stats` as RunningStats."""
+        from harvest.store import format as fmt
+
+        return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
+                   file=fmt.shard_stem(shard) + ".safetensors", bytes=len(data), sha256=fmt.sha256(data),
+                   stats={name: s.to_json() for name, s in stats.items()}, **fields)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Sidecar:
+        sidecar = super().from_json(obj)
+        for name in ("start", "next", "row_start"):
+            if len(getattr(sidecar, name)) != 2:
+                raise ValueError(f"field {name!r}: expected [index, variant], got {list(getattr(sidecar, name))}")
+        if sidecar.start > sidecar.next:
+            raise ValueError(f"start {list(sidecar.start)} after next {list(sidecar.next)}")
+        return sidecar
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress(Record):
+    """`stream_NNNNN/progress.json`, rewritten after each commit, for `harvest status`; never read for
+    correctness. `total` is None while a plain source's length is unknown."""
+
+    stream: int
+    records_done: int
+    total: int | None
+    shards: int
+    tokens_per_s: float
+    worker: str
+    updated_at: str  # ISO 8601, UTC
+    done: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo(Record):
+    """`run.json`: what a run is, written once (create-if-absent) by the first worker; every later command
+    into the same output must agree on the settings that decide the bytes.
+
+    model: {source, model_type, config_sha256, num_layers, hidden_size, intermediate_size};
+    points: [[point, [layers]]]; tensors: {name: width}; data: {source, num_streams, counts (null when
+    unknown), mapping, sha256 (per stream file, for a stream set)}; config: every setting.
+    """
+
+    format_version: int
+    harvest_version: str
+    model: dict
+    tokenizer_sha256: str
+    points: list
+    tensors: dict
+    dtype: str
+    compute_dtype: str
+    max_seq_len: int
+    long: str
+    format: str
+    data: dict
+    config: dict
+    config_sha256: str
+    special_token_ids: list | None = None  # the tokenizer's special tokens, left out of SAE batches (None: older run)
