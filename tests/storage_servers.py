@@ -263,7 +263,7 @@ class FlakyProxy:
     `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
     connection refused) for `seconds`, then serves again on the same port. `cut()` resets open
     connections only. `connections` counts the connections proxied, `outages` the outages started,
-    `bytes_up` the bytes passed on to the server.
+    `bytes_up` the bytes passed on to the server, `bytes_down` (exact) those passed back to the client.
     """
 
     def __init__(self, target: tuple[str, int]):
@@ -275,6 +275,7 @@ class FlakyProxy:
         self.connections = 0
         self.outages = 0
         self.bytes_up = 0
+        self.bytes_down = 0
         self._listener: socket.socket | None = self._listen(0)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"flaky-proxy-{self.port}")
@@ -346,6 +347,9 @@ class FlakyProxy:
                 dst.sendall(data)
                 if up:
                     self.bytes_up += len(data)  # approximate under threads; for tests to wait on
+                else:
+                    with self._lock:
+                        self.bytes_down += len(data)
         except (OSError, ValueError):
             pass
         finally:

@@ -159,6 +159,22 @@ def load_tokenizer(checkpoint) -> Any:
     return tokenizer
 
 
+def special_token_ids(checkpoint) -> list[int]:
+    """Ids of the tokenizer's special tokens (BOS, <|im_start|>, ...), from its files: for run.json, so a
+    reader can leave them out of SAE training without loading the tokenizer."""
+    import json
+    from pathlib import Path
+
+    path, ids = Path(checkpoint), set()
+    if (path / "tokenizer.json").exists():
+        added = json.loads((path / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens") or []
+        ids |= {int(t["id"]) for t in added if t.get("special")}
+    if (path / "tokenizer_config.json").exists():
+        decoder = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder")
+        ids |= {int(i) for i, t in (decoder or {}).items() if t.get("special")}
+    return sorted(ids)
+
+
 def encoder(tokenizer: Any, fmt: str) -> Callable[[list[str]], list[list[int]]]:
     """Batch tokenization. Chat templates already hold the special tokens; text and ARC prompts get the
     tokenizer's own (e.g. Llama's BOS), as the model saw them in training."""

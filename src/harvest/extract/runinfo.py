@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harvest.config import ExtractConfig, stable_hash
+from harvest.data import prompts
 from harvest.errors import UserError
 from harvest.model import CapturePlan, ModelConfig
 from harvest.store import format as fmt
@@ -42,6 +43,7 @@ def build_run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkp
                   "intermediate_size": m.intermediate_size},
         "tokenizer_sha256": _file_hash([checkpoint / n for n in ("tokenizer.json", "tokenizer_config.json",
                                                                  "chat_template.jinja")]),
+        "special_token_ids": prompts.special_token_ids(checkpoint),  # left out of SAE batches by the reader
         "points": [[p, list(layers)] for p, layers in plan.points],
         "tensors": {fmt.tensor_name(p, layer): (m.intermediate_size if p == "mlp_hidden" else m.hidden_size)
                     for p, layer in plan.keys()},

@@ -17,8 +17,8 @@ holds a contiguous run of one stream's pieces; its sidecar records `start`/`next
 
 run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
-dtype, compute_dtype, max_seq_len, long, format, data: {source, num_streams, counts (null when
-unknown)}, config (every setting), config_sha256}.
+special_token_ids (left out of SAE batches), dtype, compute_dtype, max_seq_len, long, format, data: {source,
+num_streams, counts (null when unknown)}, config (every setting), config_sha256}.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def encode_shard(
 
 
 # safetensors dtype tags -> numpy: safetensors.numpy.load has no BF16 entry, so shards are decoded here.
-_ST_DTYPES = {
+ST_DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
     "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
@@ -92,7 +92,7 @@ def decode_shard(data: bytes) -> dict[str, np.ndarray]:
         raise ValueError(f"not a readable safetensors file ({e})") from None
     out = {}
     for name, view in views:
-        dtype = _ST_DTYPES.get(view["dtype"])
+        dtype = ST_DTYPES.get(view["dtype"])
         if dtype is None:
             raise ValueError(f"tensor {name!r} has unsupported dtype {view['dtype']}")
         out[name] = np.frombuffer(view["data"], dtype).reshape(view["shape"])

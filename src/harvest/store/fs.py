@@ -227,6 +227,18 @@ class Storage:
         fs = self.fs
         return self._retry("read", rel, lambda: fs.cat_file(path))
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a file: one ranged GET on GCS/S3, a seek and read locally (shorter at EOF)."""
+        path = self.path(rel)
+        if self.is_local:
+            def read() -> bytes:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    return f.read(end - start)
+            return self._retry("read", rel, read)
+        fs = self.fs
+        return self._retry("read", rel, lambda: fs.cat_file(path, start=start, end=end))
+
     def read_json(self, rel: str) -> Any:
         data = self.read_bytes(rel)
         try:

@@ -5,12 +5,13 @@ run = harvest.open("gs://bucket/run")            # reads run.json and every side
 run.tensors                                       # {"resid_post.20": 3584, ...}
 s = run.sample(1234, variant=0)                   # Sample(sample_id, variant, tokens, activations)
 run.stats("resid_post.20").mean                   # exact merge of the shards' fp64 running stats
-for batch in run.token_batches(4096, ["resid_post.20"], seed=epoch):   # SAE training rows
+for batch in run.token_batches(4096, ["resid_post.20"], seed=0, epochs=None):   # SAE training rows
     ...
 ```
 Only committed shards exist: a shard is read when its sidecar (`shard_NNNNNN.json`) is there, whatever
 else lies in the stream directory. All I/O goes through `Storage`; shards are decoded with safetensors
-from bytes (no pickle, nothing eval'd).
+from bytes (no pickle, nothing eval'd), or for token batches read as the byte ranges of the tensors asked
+for (store/batches.py: order, split, resume; store/layout.py: where each tensor lies).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.store import format as fmt
+from harvest.store.batches import TokenBatches, UnknownTensorError
 from harvest.store.fs import Storage
 
 STREAM_DIR = re.compile(r"^stream_(\d{5})$")
@@ -306,78 +308,85 @@ class Run:
     def _check_names(self, names: Sequence[str]) -> list[str]:
         unknown = [n for n in names if n not in self.info["tensors"]]
         if unknown:
-            raise KeyError(f"{', '.join(map(repr, unknown))} not in run {self.url}; it holds "
+            raise UnknownTensorError(f"{', '.join(map(repr, unknown))} not in run {self.url}; it holds "
                            f"{', '.join(self.info['tensors'])}")
         return list(names)
 
     # SAE training batches -----------------------------------------------------------------------------
+    def shards_of(self, stream: int) -> list[dict[str, Any]]:
+        """Sidecars of one stream's committed shards, in order."""
+        return list(self._by_stream.get(stream, []))
+
+    def snapshot(self) -> dict[int, int]:
+        """{stream: committed shards} now: give every rank the same one (token_batches(snapshot=...)) when
+        training on a run still being written, so that all ranks split the same shards."""
+        return {s: len(scs) for s, scs in self._by_stream.items()}
+
     def token_batches(
         self,
         batch_size: int,
         tensors: Sequence[str] | str | None = None,
         *,
         seed: int = 0,
+        epoch: int = 0,
+        epochs: int | None = 1,
+        rank: int = 0,
+        world: int = 1,
+        worker: int | None = None,
+        workers: int | None = None,
         shuffle: bool = True,
-        shard_buffer: int = 4,
-        as_torch: bool = False,
+        shard_buffer: int = 16,
+        piece_bytes: int = 32 * 2**20,
+        prefetch: int = 8,
+        io_threads: int = 8,
         drop_last: bool = False,
+        exclude: Sequence[int] | None = None,
+        dtype: str | None = None,
+        normalize: str | None = None,
+        verify: str = "auto",
+        on_corrupt: str = "stop",
+        as_torch: bool = False,
         streams: Sequence[int] | None = None,
-    ) -> Iterator[dict[str, Any]]:
-        """One epoch of token rows: {name: [batch, d], "tokens": [batch]}, numpy (or torch with as_torch).
+        snapshot: dict[int, int] | None = None,
+    ) -> TokenBatches:
+        """Token rows for SAE training: {name: [batch, d], "tokens": [batch]}, numpy (or torch with as_torch).
 
-        With shuffle, the shard order is permuted with `seed`, then rows are permuted within each group of
-        `shard_buffer` consecutive shards (plus the rows left over from the previous group), so memory holds
-        about 2 x shard_buffer shards (the next group is read ahead in threads). The same seed gives the same
-        batches; use seed=epoch for a new order per epoch. Every committed token appears exactly once.
-        The last batch is short unless drop_last.
+        Order (store/shuffle.py): shards are cut into pieces of about `piece_bytes` of the tensors asked for;
+        the pieces are permuted per (seed, epoch), dealt to rank `rank` of `world` hosts and then to data-loader
+        workers (found by themselves inside a torch DataLoader, or given as worker/workers), and each
+        consumer mixes the rows of `shard_buffer` pieces at a time. Memory: about (shard_buffer + prefetch)
+        pieces. Over an epoch every committed token (less `exclude`, by default the run's special tokens)
+        is served once across all consumers; the last batch is short unless drop_last. `epochs=None`
+        repeats for ever, each epoch in a new order, picking up shards committed meanwhile; `snapshot`
+        (from `Run.snapshot()`, the same on every rank) pins the shards instead: ranks that list a run still
+        being written at different moments would otherwise split different sets.
+        `dtype` casts on the way out; `normalize` ("standardize": per dimension, "norm": E||x||^2 = d)
+        uses the run's own stats. `verify`, `on_corrupt`: see store/batches.py.
+        The result is an iterable with state_dict()/load_state_dict() for resuming mid-epoch.
         """
-        if int(batch_size) <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if int(shard_buffer) <= 0:
-            raise ValueError(f"shard_buffer must be positive, got {shard_buffer}")
         names = self._check_names([tensors] if isinstance(tensors, str) else list(tensors or self.tensors))
-        convert = _torch_converter() if as_torch else (lambda a: a)
-        wanted = None if streams is None else {int(s) for s in streams}
-        shards = [sc for sc in self._shards if int(sc["tokens"]) > 0
-                  and (wanted is None or int(sc["stream"]) in wanted)]
-        rng = np.random.default_rng(seed)
-        if shuffle:
-            shards = [shards[i] for i in rng.permutation(len(shards))]
-        groups = [shards[i:i + shard_buffer] for i in range(0, len(shards), shard_buffer)]
-        return self._batches(groups, names, int(batch_size), rng if shuffle else None, convert, drop_last)
+        return TokenBatches(
+            self, batch_size, names, seed=seed, shuffle=shuffle, buffer=shard_buffer, piece_bytes=piece_bytes,
+            rank=rank, world=world, worker=worker, workers=workers, exclude=exclude, streams=streams,
+            snapshot=snapshot, epoch=epoch, epochs=epochs, drop_last=drop_last, dtype=dtype, normalize=normalize,
+            verify=verify, on_corrupt=on_corrupt, prefetch=prefetch, io_threads=io_threads,
+            convert=_torch_converter() if as_torch else (lambda a: a))
 
-    def _rows(self, sidecar: dict[str, Any], names: list[str]) -> dict[str, np.ndarray]:
-        t = self.read_shard(sidecar)
-        return {"tokens": t["tokens"], **{n: t[n] for n in names}}
+    def torch_dataset(self, batch_size: int, tensors: Sequence[str] | str | None = None, **kwargs: Any):
+        """A torch IterableDataset of batches (use DataLoader(ds, batch_size=None, num_workers=k)): each
+        worker reopens the run and reads its own share."""
+        from harvest.store.torch_data import TokenDataset
 
-    def _batches(self, groups, names, batch_size, rng, convert, drop_last) -> Iterator[dict[str, Any]]:
-        keys = ["tokens", *names]
-        pool = ThreadPoolExecutor(max_workers=max(len(g) for g in groups)) if groups else None
-        pending = [pool.submit(self._rows, sc, names) for sc in groups[0]] if groups else []
-        carry: dict[str, np.ndarray] | None = None
-        try:
-            for g in range(len(groups)):
-                parts = [f.result() for f in pending]
-                pending = [pool.submit(self._rows, sc, names) for sc in groups[g + 1]] if g + 1 < len(groups) else []
-                if carry is not None:
-                    parts.insert(0, carry)
-                cols = {k: np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in keys}
-                del parts
-                n = len(cols["tokens"])
-                if rng is not None:
-                    perm = rng.permutation(n)
-                    cols = {k: v[perm] for k, v in cols.items()}
-                full = n - n % batch_size
-                for lo in range(0, full, batch_size):
-                    yield {k: convert(cols[k][lo:lo + batch_size]) for k in keys}
-                carry = {k: v[full:] for k, v in cols.items()} if full < n else None
-            if carry is not None and not drop_last:
-                yield {k: convert(carry[k]) for k in keys}
-        finally:
-            for f in pending:
-                f.cancel()
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        self._check_names([tensors] if isinstance(tensors, str) else list(tensors or self.tensors))
+        return TokenDataset(self.url, batch_size, tensors, kwargs)
+
+    def jax_batches(self, batch_size: int, tensors: Sequence[str] | str | None = None, *, mesh: Any,
+                    data_axes: Sequence[str] = ("data",), **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """Global JAX arrays of `batch_size` rows sharded over the mesh's `data_axes`: this host reads its
+        own share (rank = process index) for its own devices."""
+        from harvest.store.jax_data import global_batches
+
+        return global_batches(self, batch_size, tensors, mesh, tuple(data_axes), kwargs)
 
 
 def _torch_converter():

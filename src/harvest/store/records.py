@@ -197,3 +197,4 @@ class RunInfo(Record):
     data: dict
     config: dict
     config_sha256: str
+    special_token_ids: list | None = None  # the tokenizer's special tokens, left out of SAE batches (None: older run)
