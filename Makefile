@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+comma := ,
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean image base-image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,30 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/forward.py
+
+# The fleet's docker image (Dockerfile): harvest and its dependencies from a wheelhouse built here, so the
+# build needs no index. VARIANT cpu | tpu | cuda; BASE_IMAGE any image with python3 and venv.
+IMAGE ?= harvest:dev
+VARIANT ?= cpu
+BASE_IMAGE ?= python:3.11-slim
+image: $(VENV)/.installed
+	rm -rf build/docker && mkdir -p build/docker/wheelhouse
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --wheel-dir build/docker/wheelhouse \
+		".[gcs,s3$(if $(filter cpu,$(VARIANT)),,$(comma)$(VARIANT))]"
+	docker build -f Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VARIANT=$(VARIANT) -t $(IMAGE) build/docker
+
+# A Debian base image made locally (no registry needed): debootstrap + docker import. Needs root.
+base-image:
+	rm -rf build/rootfs
+	debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm build/rootfs
+	tar -C build/rootfs -c . | docker import - harvest-base:bookworm
+	rm -rf build/rootfs
+
+# Builds the CPU image on the local base and runs tests/test_image.py against it (long: its own target).
+image-test: $(VENV)/.installed-test
+	docker image inspect harvest-base:bookworm >/dev/null 2>&1 || $(MAKE) base-image
+	$(MAKE) image BASE_IMAGE=harvest-base:bookworm IMAGE=harvest:test
+	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/test_image.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -95,9 +95,10 @@ class _Shard:
 
 
 class _Verifier:
-    def __init__(self, storage: Storage, workers: int):
+    def __init__(self, storage: Storage, workers: int, only: set[int] | None = None):
         self.storage = storage
         self.workers = workers
+        self.only = only  # a part of a split run: check only these streams (see verify_split)
         self.report = Report(storage.url)
         self._problems: list[tuple[str, str]] = []  # (path in the run, message); appended from threads
 
@@ -109,11 +110,13 @@ class _Verifier:
         if info is None:
             return self.finish()
         streams = covered_streams(info)
-        self.report.streams = len(streams)
         for d in list_stream_dirs(self.storage):
             if d not in streams:
                 self.problem(fmt.stream_dir(d) + "/",
                              f"stream directory outside the run (run.json data covers streams {format_ranges(streams, sep=', ', limit=6)})")
+        if self.only is not None:
+            streams = [s for s in streams if s in self.only]
+        self.report.streams = len(streams)
         listing = {s: self.list_stream(s) for s in streams}
         jobs = [(s, k) for s in streams for k, _ in listing[s]]
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:
@@ -459,7 +462,48 @@ def verify(url: str | Storage, *, workers: int = 4) -> Report:
 
 
 def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
-    return [verify(url, workers=workers) for url in urls]
+    """Each run on its own, or, when the URLs are parts of one run (see verify_split), that run."""
+    storages = [Storage(str(url)) for url in urls]
+    split = _split_run(storages)
+    if split is None:
+        return [verify(st, workers=workers) for st in storages]
+    return verify_split(storages, split, workers=workers)
+
+
+def _split_run(storages: list[Storage]) -> tuple[list[int], list[set[int]]] | None:
+    """(the run's streams, the streams each output holds) when several outputs have one run.json config
+    (config_sha256) and none holds every stream: a fleet's buckets, each written by some of its workers."""
+    if len(storages) < 2 or not all(st.exists("run.json") for st in storages):
+        return None
+    try:
+        infos = [st.read_json("run.json") for st in storages]
+    except (ValueError, UserError):
+        return None
+    if not all(isinstance(i, dict) for i in infos) or len({i.get("config_sha256") for i in infos}) != 1:
+        return None
+    streams = covered_streams(infos[0])
+    held = [set(list_stream_dirs(st)) for st in storages]
+    return None if any(h >= set(streams) for h in held) else (streams, held)
+
+
+def verify_split(storages: list[Storage], split: tuple[list[int], list[set[int]]], *,
+                 workers: int = 4) -> list[Report]:
+    """One run split over outputs: each output checked for the streams it holds, then one more report
+    (named after all of them) on the split itself: every stream in exactly one output."""
+    streams, held = split
+    reports = [_Verifier(st, workers, only=h).run() for st, h in zip(storages, held)]
+    whole = Report(" + ".join(st.url for st in storages), streams=len(streams))
+    for s in streams:
+        where = [st.url for st, h in zip(storages, held) if s in h]
+        if not where:
+            whole.problems.append(f"{fmt.stream_dir(s)}/: in none of the {len(storages)} outputs (never started)")
+        elif len(where) > 1:
+            whole.problems.append(f"{fmt.stream_dir(s)}/: written in {len(where)} outputs ({', '.join(where)}); "
+                                  f"a stream belongs to exactly one worker")
+    for r in reports:
+        for name in ("records", "shards", "samples", "tokens", "bytes", "skipped"):
+            setattr(whole, name, getattr(whole, name) + getattr(r, name))
+    return [*reports, whole]
 
 
 def exit_code(reports: Sequence[Report]) -> int:
