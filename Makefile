@@ -23,8 +23,16 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/harvest demo
 
-test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+# SkyPilot in its own environment (its click pin conflicts with huggingface_hub's): `harvest fleet` calls
+# its SDK there, and tests/test_fleet.py loads the emitted tasks with it.
+SKY_VENV ?= .venv-sky
+$(SKY_VENV)/.installed:
+	$(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "skypilot[gcp]==0.14.1"
+	touch $@
+
+test: $(VENV)/.installed-test $(SKY_VENV)/.installed
+	HARVEST_SKYPILOT_PYTHON=$(SKY_VENV)/bin/python $(BIN)/python -m pytest
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/forward.py
@@ -54,4 +62,4 @@ image-test: $(VENV)/.installed-test
 	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/test_image.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(SKY_VENV) build src/*.egg-info .pytest_cache

@@ -1,9 +1,8 @@
 """Helpers for the fleet tests: the users' four-region fleet, and SkyPilot's job queue as recorded records.
 
 RecordedJobs stands in for the one boundary no test can reach (SkyPilot's API server and a cloud): it holds
-job records shaped as `sky.jobs.queue_v2` returns them and hands them to harvest.fleet.sky for parsing,
-exactly as SkyJobs does; a launch converts the task with SkyPilot's own Task.from_yaml_config when
-SkyPilot is installed, and queues a PENDING record.
+job records shaped as `sky.jobs.queue_v2` returns them (as JSON, the way SkyJobs receives them) and hands them
+to harvest.fleet.sky for parsing, exactly as SkyJobs does; a launch queues a PENDING record.
 """
 
 from __future__ import annotations
@@ -51,12 +50,7 @@ class RecordedJobs:
         return records_from_queue(self.records)
 
     def launch(self, task: dict[str, Any], name: str) -> None:
-        try:
-            import sky
-        except ImportError:
-            pass
-        else:
-            assert sky.Task.from_yaml_config(task).name == name
+        assert task["name"] == name
         self.launched.append(name)
         self.records.append(record(next(self._ids), name, "PENDING"))
 

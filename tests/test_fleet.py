@@ -17,9 +17,11 @@ from fleet_helpers import FOUR_REGIONS, RecordedJobs, record, write_fleet
 from rich.console import Console
 
 from harvest.cli import build_parser, main
+from harvest.errors import UserError
 from harvest.data.streams import create_streams
 from harvest.fleet import launch, status
 from harvest.fleet.plan import make_plan, task_config
+from harvest.fleet.sky import skypilot_python
 from harvest.fleet.spec import load_fleet
 from harvest.fleet.topology import topology
 
@@ -73,29 +75,48 @@ def test_plan_of_the_four_region_fleet(users_fleet, tmp_path, capsys):
     assert len(list((tmp_path / "tasks").glob("*.yaml"))) == 32
 
 
+# Run in SkyPilot's own interpreter (it cannot share harvest's environment, see harvest.fleet.sky).
+_LOAD_TASKS = r"""
+import json, sys
+import sky
+out = []
+for path in sys.argv[1:]:
+    task = sky.Task.from_yaml(path)
+    out.append({"name": task.name, "num_nodes": task.num_nodes, "setup": task.setup, "run": task.run,
+                "envs": task.envs, "resources": [
+                    {"accelerators": r.accelerators, "use_spot": r.use_spot, "region": r.region,
+                     "job_recovery": r.job_recovery} for r in task.resources]})
+print(json.dumps(out))
+"""
+
+
 def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
-    sky = pytest.importorskip("sky", reason="SkyPilot not installed: pip install 'harvest[fleet]'")
+    try:
+        python = skypilot_python()
+    except UserError as e:
+        pytest.skip(f"SkyPilot not installed (`make test` installs it in .venv-sky): {e}")
     assert main(["fleet", "plan", str(users_fleet), "--emit", str(tmp_path)]) == 0
     plan = make_plan(load_fleet(users_fleet))
+    paths = [str(tmp_path / f"{w.job_name}.yaml") for w in plan.workers]
+    loaded = subprocess.run([python, "-c", _LOAD_TASKS, *paths], capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    tasks = json.loads(loaded.stdout.strip().splitlines()[-1])
     parser = build_parser()
-    for w in plan.workers:
-        task = sky.Task.from_yaml(str(tmp_path / f"{w.job_name}.yaml"))
-        assert task.name == w.job_name == f"arc-qwen05-{w.group.name}-{w.index}"
-        assert task.num_nodes == 1
-        assert task.setup == "pip install 'harvest[tpu,gcs]==0.2.0'"
-        assert task.envs == {"HARVEST_FLEET": "arc-qwen05", "HARVEST_GROUP": w.group.name,
-                             "HARVEST_WORKER_ID": f"arc-qwen05/{w.group.name}/{w.index}"}
-        regions = set()
-        for resources in task.resources:
-            assert resources.accelerators == {w.group.accelerator: 1}
-            assert resources.use_spot is True
-            assert resources.job_recovery["strategy"] == "EAGER_NEXT_REGION"
-            assert resources.job_recovery["recover_on_exit_codes"] == [75]
-            assert resources.job_recovery["max_restarts_on_errors"] >= 1
-            regions.add(resources.region)
-        assert regions == set(w.group.regions)
+    for w, task in zip(plan.workers, tasks, strict=True):
+        assert task["name"] == w.job_name == f"arc-qwen05-{w.group.name}-{w.index}"
+        assert task["num_nodes"] == 1
+        assert task["setup"] == "pip install 'harvest[tpu,gcs]==0.2.0'"
+        assert task["envs"] == {"HARVEST_FLEET": "arc-qwen05", "HARVEST_GROUP": w.group.name,
+                                "HARVEST_WORKER_ID": f"arc-qwen05/{w.group.name}/{w.index}"}
+        assert {r["region"] for r in task["resources"]} == set(w.group.regions)
+        for resources in task["resources"]:
+            assert resources["accelerators"] == {w.group.accelerator: 1}
+            assert resources["use_spot"] is True
+            assert resources["job_recovery"]["strategy"] == "EAGER_NEXT_REGION"
+            assert resources["job_recovery"]["recover_on_exit_codes"] == [75]
+            assert resources["job_recovery"]["max_restarts_on_errors"] >= 1
         # The run command is the real CLI's: it parses, and says what this worker writes.
-        argv = shlex.split(task.run)
+        argv = shlex.split(task["run"])
         assert argv[:2] == ["harvest", "extract"]
         args = parser.parse_args(argv[1:])
         assert (args.model, args.format, args.points) == ("Qwen/Qwen2.5-0.5B", "arc", "resid_post:12-23")
@@ -192,8 +213,8 @@ def test_up_relaunches_only_failed_or_cancelled_workers_and_down_cancels_active_
     plan = make_plan(load_fleet(users_fleet))
     names = [w.job_name for w in plan.workers]
     states = ["RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED", "PENDING", "STARTING"]
-    jobs = RecordedJobs([record(i + 1, name, states[i % len(states)]) for i, name in enumerate(names)])
-    jobs.records.append(record(100, names[0], "FAILED"))  # newest record of names[0] says FAILED
+    jobs = RecordedJobs([*(record(i + 1, name, states[i % len(states)]) for i, name in enumerate(names)),
+                         record(100, names[0], "FAILED")])  # the newest record of names[0] says FAILED
     launched, _ = launch.up(plan, jobs)
     expected = {n for i, n in enumerate(names) if states[i % len(states)] in ("FAILED", "CANCELLED")} | {names[0]}
     assert {w.job_name for w in launched} == expected

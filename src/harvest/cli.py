@@ -131,8 +131,9 @@ def _fleet(args: argparse.Namespace) -> int:
     from harvest.fleet.spec import load_fleet
 
     plan = make_plan(load_fleet(args.fleet))
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or a log gets whole URLs
     if args.fleet_command == "plan":
-        Console().print(plan_table(plan))
+        console.print(plan_table(plan))
         if args.emit:
             print(f"wrote {len(emit(plan, args.emit))} SkyPilot task files to {args.emit}")
         return 0
@@ -145,7 +146,7 @@ def _fleet(args: argparse.Namespace) -> int:
         cancelled = launch.down(plan, jobs)
         print(f"cancelled {len(cancelled)} workers ({', '.join(w.job_name for w in cancelled) or 'none'})")
     else:
-        return status.show(plan, jobs, watch=args.watch, interval=args.interval)
+        return status.show(plan, jobs, watch=args.watch, interval=args.interval, console=console)
     return 0
 
 
@@ -212,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = commands.add_parser(
         "fleet", help="a multi-region run of many workers from one fleet.yaml, on SkyPilot managed jobs",
         description="plan needs no cloud (it reads streams.json); up, status and down call SkyPilot "
-        "(pip install 'harvest[fleet]').",
+        "in its own environment (pipx install 'skypilot[gcp]==0.14.1'; found through `sky` on PATH).",
     )
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
     for action, text in (("plan", "deal streams to workers, check the fleet, print the plan"),

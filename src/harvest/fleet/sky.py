@@ -1,13 +1,26 @@
-"""The one place harvest calls SkyPilot (`pip install 'harvest[fleet]'`): managed jobs launched, listed and
-cancelled through its Python SDK (skypilot 0.14). Everything else in the fleet works on JobRecord, so the
-tests feed recorded queue records through `records_from_queue`: no cloud is reachable there."""
+"""The one place harvest calls SkyPilot: managed jobs launched, listed and cancelled through its Python SDK
+(skypilot 0.14). Everything else in the fleet works on JobRecord, so the tests feed recorded queue records
+through `records_from_queue`: no cloud is reachable there.
+
+SkyPilot cannot share harvest's environment: skypilot 0.14.1 requires click<8.2, and huggingface_hub (>=1.31,
+which transformers 5 needs) click>=8.4.2. So the SDK runs in SkyPilot's own interpreter (a pipx/uv tool
+install, found through `sky` on PATH or $HARVEST_SKYPILOT_PYTHON); requests and answers cross as JSON.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from typing import Any, Iterable, Protocol
 
 from harvest.errors import UserError
+
+SKYPILOT = "skypilot[gcp]==0.14.1"  # the SDK version this module speaks to
 
 # ManagedJobStatus values (sky/jobs/state.py) of a job that holds or is getting a VM: `up` leaves it be.
 ACTIVE = frozenset({"PENDING", "SUBMITTED", "STARTING", "RUNNING", "RECOVERING", "WINDING_DOWN", "CANCELLING"})
@@ -59,23 +72,62 @@ class Jobs(Protocol):
     def cancel(self, name: str) -> None: ...
 
 
-class SkyJobs:
-    """Jobs through SkyPilot's SDK (each call is a request to its API server, waited for)."""
+_SDK = r"""
+import json, sys
+import sky
 
-    def __init__(self):
-        try:
-            import sky
-        except ImportError:
-            raise UserError("SkyPilot is not installed: pip install 'harvest[fleet]' (skypilot[gcp]), "
-                            "then `sky check` to set up the cloud account") from None
-        self.sky = sky
+op, answer = sys.argv[1], sys.argv[2]
+request = json.loads(sys.stdin.read())
+result = None
+if op == "queue":
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=True, skip_finished=False))
+    result = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
+elif op == "launch":
+    sky.get(sky.jobs.launch(sky.Task.from_yaml_config(request["task"]), name=request["name"]))
+elif op == "cancel":
+    sky.get(sky.jobs.cancel(name=request["name"]))
+with open(answer, "w") as f:
+    json.dump(result, f)
+"""
+
+
+def skypilot_python() -> str:
+    """SkyPilot's interpreter: $HARVEST_SKYPILOT_PYTHON, else the one running `sky` (its script's #! line)."""
+    explicit = os.environ.get("HARVEST_SKYPILOT_PYTHON")
+    if explicit:
+        return explicit
+    cli = shutil.which("sky")
+    if cli:
+        with open(cli, "rb") as f:
+            first = f.readline().decode(errors="replace").strip()
+        if first.startswith("#!") and "python" in first:
+            return first[2:].split()[0]
+    raise UserError(f"SkyPilot not found: install it in its own environment (pipx install '{SKYPILOT}', or "
+                    f"uv tool install), run `sky check`, or set HARVEST_SKYPILOT_PYTHON to its python")
+
+
+class SkyJobs:
+    """Jobs through SkyPilot's SDK, run in SkyPilot's interpreter; each call waits for its request."""
+
+    def __init__(self, python: str | None = None):
+        self.python = python or skypilot_python()
+
+    def _call(self, op: str, request: dict[str, Any]) -> Any:
+        with tempfile.TemporaryDirectory(prefix="harvest-sky-") as tmp:
+            answer = os.path.join(tmp, "answer.json")
+            done = subprocess.run([self.python, "-c", _SDK, op, answer], input=json.dumps(request), text=True,
+                                  stdout=sys.stderr, stderr=subprocess.PIPE)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                raise UserError(f"SkyPilot {op} failed ({self.python}): {last}")
+            with open(answer) as f:
+                return json.load(f)
 
     def queue(self) -> list[JobRecord]:
-        records, *_ = self.sky.get(self.sky.jobs.queue_v2(refresh=True, skip_finished=False))
-        return records_from_queue(records)
+        return records_from_queue(self._call("queue", {}))
 
     def launch(self, task: dict[str, Any], name: str) -> None:
-        self.sky.get(self.sky.jobs.launch(self.sky.Task.from_yaml_config(task), name=name))
+        self._call("launch", {"task": task, "name": name})
 
     def cancel(self, name: str) -> None:
-        self.sky.get(self.sky.jobs.cancel(name=name))
+        self._call("cancel", {"name": name})

@@ -4,6 +4,7 @@ groups of identical workers. Every problem is one line naming the file and the k
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -74,8 +75,13 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
         if g.name in seen:
             raise FleetError(f"{where}: two groups are named {g.name!r}; group names must be unique")
         seen.add(g.name)
-    return FleetSpec(where, name, data, {str(k).replace("-", "_"): v for k, v in extract.items()}, groups,
+    return FleetSpec(where, name, _url(data), {str(k).replace("-", "_"): v for k, v in extract.items()}, groups,
                      install, image)
+
+
+def _url(spec: str) -> str:
+    """A local path made absolute: every worker's command names the same place whatever its directory."""
+    return spec if "://" in spec else os.path.abspath(spec)
 
 
 def _group(raw: Any, where: str, i: int) -> Group:
@@ -94,7 +100,7 @@ def _group(raw: Any, where: str, i: int) -> Group:
             raise FleetError(f"{where}: {label}: {key} must be at least 1, got {value}")
     mesh = _optional(g, where, "mesh", str, None, label)
     return Group(name=name, accelerator=str(_required(g, where, "accelerator", (str,), label)),
-                 regions=tuple(regions), workers=workers, out=_required(g, where, "out", str, label),
+                 regions=tuple(regions), workers=workers, out=_url(_required(g, where, "out", str, label)),
                  streams=str(streams).strip(), spot=_optional(g, where, "spot", bool, True, label),
                  mesh=mesh, num_nodes=num_nodes)
 
