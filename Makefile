@@ -50,8 +50,8 @@ image: $(VENV)/.installed
 
 # A Debian base image made locally (no registry needed): debootstrap + docker import. Needs root.
 base-image:
-	rm -rf build/rootfs
-	debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm build/rootfs
+	rm -rf build/rootfs && mkdir -p build
+	debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm $(CURDIR)/build/rootfs
 	tar -C build/rootfs -c . | docker import - harvest-base:bookworm
 	rm -rf build/rootfs
 

@@ -8,6 +8,7 @@ a worker stopped (SIGSTOP) while its replacement runs exits without writing when
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from extract_helpers import harvest_env, run_harvest, write_text_dataset
 from fleet_helpers import RecordedJobs, record, write_fleet
 from rich.console import Console
 
+from harvest.cli import main
 from harvest.config import ExtractConfig
 from harvest.fleet import status
 from harvest.fleet.plan import make_plan, task_config
@@ -31,19 +33,19 @@ pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 8
 EXTRACT = {"points": "resid_post:1-3,mlp_out:2", "max_seq_len": 128, "long": "chunk", "batch_size": 2,
-           "shard_size": "64KB"}
+           "shard_size": "192KB"}
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """Streams of a 240-record dataset, the demo checkpoint, and an uninterrupted local run of all streams."""
+    """Streams of a 160-record dataset, the demo checkpoint, and an uninterrupted local run of all streams."""
     from harvest.demo import demo_checkpoint
 
     root = tmp_path_factory.mktemp("fleet-e2e")
     cache = root / "cache"
     checkpoint = demo_checkpoint(cache)
     env = harvest_env(cache, devices=2)
-    source = write_text_dataset(root / "data.jsonl", n=240)
+    source = write_text_dataset(root / "data.jsonl", n=160)
     streams = root / "streams"
     made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(NUM_STREAMS),
                        "--out", str(streams), env=env)
@@ -125,7 +127,7 @@ def assert_equals_reference(url: str, reference: Path, streams) -> None:
     assert ours == theirs
 
 
-def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_path):
+def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_path, capsys):
     root, cache, checkpoint, streams_dir, reference = setup
     plan = make_plan(load_fleet(fleet_yaml(tmp_path / "fleet.yaml", setup, gcs_url, s3_url)))
     tasks = {w.worker_id: task_config(w, plan.spec) for w in plan.workers}
@@ -133,16 +135,15 @@ def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_pa
     assert [list(w.streams) for w in plan.workers] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     host = Host(cache, tmp_path)
 
-    others = {wid: host.start(tasks[wid], wid.replace("/", "-")) for wid in ("e2e/gcs/1", "e2e/s3/0", "e2e/s3/1")}
-    for wid, proc in others.items():
-        assert wait(proc) == 0, log_of(proc)
-
     victim = by_id["e2e/gcs/0"]
     proc = host.start(tasks[victim.worker_id], "gcs-0")
+    others = {wid: host.start(tasks[wid], wid.replace("/", "-")) for wid in ("e2e/gcs/1", "e2e/s3/0", "e2e/s3/1")}
     wait_for_commits(proc, gcs_url, victim.streams, 2)
     assert proc.poll() is None, "the worker finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # a preemption: no goodbye
     proc.wait()
+    for wid, other in others.items():
+        assert wait(other) == 0, log_of(other)
 
     # Between preemption and recovery: SkyPilot says RECOVERING, storage says the victim's streams are
     # unfinished; an hour on they are stale and `fleet status` exits 1 naming the worker.
@@ -151,7 +152,7 @@ def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_pa
     an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)
     later = status.fleet_status(plan, jobs, now=an_hour_on)
     assert [w.worker.worker_id for w in later.workers if w.stale] == ["e2e/gcs/0"] and not later.finished
-    quiet = Console(file=open(os.devnull, "w"))
+    quiet = Console(file=io.StringIO())
     assert status.show(plan, jobs, console=quiet) == 0 and status.show(plan, jobs, console=quiet, now=an_hour_on) == 1
     console = Console(record=True, width=220)
     for renderable in status.render(later):
@@ -171,13 +172,11 @@ def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_pa
     assert status.show(plan, jobs, console=console) == 0
     assert "8/8 streams done" in console.export_text()
 
-    # verify over both buckets (the CLI, as a user runs it) proves each stream done exactly once
-    env = harvest_env(cache)
-    checked = run_harvest("verify", gcs_url, s3_url, env=env)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert checked.stdout.strip().splitlines()[-1].startswith(f"OK {gcs_url} + {s3_url}: 8 streams")
-    alone = run_harvest("verify", gcs_url, env=env)  # one bucket alone is not the whole run
-    assert alone.returncode == 1 and "stream_00004/: no committed shard" in alone.stdout
+    # `harvest verify` over both buckets proves each stream done exactly once; one bucket alone is not the run
+    assert main(["verify", gcs_url, s3_url]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith(f"OK {gcs_url} + {s3_url}: 8 streams"), out
+    assert main(["verify", gcs_url]) == 1 and "stream_00004/: no committed shard" in capsys.readouterr().out
     assert_equals_reference(gcs_url, reference, [0, 1, 2, 3])
     assert_equals_reference(s3_url, reference, [4, 5, 6, 7])
 
