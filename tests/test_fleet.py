@@ -124,6 +124,23 @@ def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
         assert args.streams == str(w.streams[0]) and args.mesh == w.group.mesh
 
 
+def test_the_sdk_calls_of_harvest_fleet_exist_in_skypilot():
+    """harvest.fleet.sky's calls, checked against the installed SkyPilot (no API server needed for that)."""
+    try:
+        python = skypilot_python()
+    except UserError as e:
+        pytest.skip(f"SkyPilot not installed (`make test` installs it in .venv-sky): {e}")
+    probe = ("import inspect, sky, sky.jobs.constants\n"
+             "assert 'fields' in inspect.signature(sky.jobs.queue_v2).parameters\n"
+             "assert 'name' in inspect.signature(sky.jobs.launch).parameters\n"
+             "assert 'name' in inspect.signature(sky.jobs.cancel).parameters\n"
+             "assert callable(sky.Task.from_yaml_config) and callable(sky.get)\n"
+             "assert 'job_name' in sky.jobs.constants.DEFAULT_MANAGED_JOB_FIELDS\n"
+             "print(sky.__version__)\n")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "0.14.1", done.stderr[-2000:]
+
+
 def test_multi_node_gpu_group_derives_process_flags_from_skypilot_env(tmp_path, streams32):
     """Each node runs the same command; the shell turns SkyPilot's env into --coordinator/--num-processes
     /--process-id (node 0 coordinates). A `harvest` on PATH that prints its argv shows what the CLI gets."""

@@ -75,12 +75,14 @@ class Jobs(Protocol):
 _SDK = r"""
 import json, sys
 import sky
+import sky.jobs.constants
 
 op, answer = sys.argv[1], sys.argv[2]
 request = json.loads(sys.stdin.read())
 result = None
 if op == "queue":
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=True, skip_finished=False))
+    fields = [*sky.jobs.constants.DEFAULT_MANAGED_JOB_FIELDS, "region"]
+    records, *_ = sky.get(sky.jobs.queue_v2(refresh=True, skip_finished=False, fields=fields))
     result = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
 elif op == "launch":
     sky.get(sky.jobs.launch(sky.Task.from_yaml_config(request["task"]), name=request["name"]))

@@ -108,13 +108,14 @@ def render(status: FleetStatus) -> list[RenderableType]:
         rows = [w for w in status.workers if w.worker.group.name == group.name]
         table = Table(title=f"{group.name}: {group.accelerator} in {', '.join(group.regions)} -> {group.out}",
                       title_justify="left")
-        for name in ("worker", "job", "recoveries", "streams", "done", "records", "tokens/s", "last commit", "eta"):
-            table.add_column(name, justify="left" if name in ("worker", "job") else "right")
+        for name in ("worker", "job", "region", "recoveries", "streams", "done", "records", "tokens/s",
+                     "last commit", "eta"):
+            table.add_column(name, justify="left" if name in ("worker", "job", "region") else "right")
         for w in rows:
             ages = [r["age"] for r in w.streams if r["age"] is not None]
             stale = w.stale
             table.add_row(w.worker.worker_id, Text(w.state, style=_JOB_STYLE.get(w.state, "red")),
-                          str(w.job.recoveries if w.job else "-"), format_ranges(w.worker.streams),
+                          (w.job.region if w.job else None) or "-", str(w.job.recoveries if w.job else "-"), format_ranges(w.worker.streams),
                           f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
                           human_count(w.total("rate")) if w.total("rate") else "-",
                           Text(_human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
