@@ -252,3 +252,32 @@ def test_status_before_any_output_shows_every_worker_pending(tmp_path, streams32
     text = console.export_text()
     assert "arc-qwen05/us-central1-v5e/0" in text and "RECOVERING" in text and "NOT LAUNCHED" in text
     assert "0/32 streams done" in text and "0/1 workers running" not in text
+
+
+def test_verify_takes_a_fleets_outputs_as_one_run(tmp_path):
+    """Outputs with one run.json config and the streams split between them are one run: each stream must be
+    in exactly one of them (copies of the whole run are still verified one by one)."""
+    import shutil
+
+    from test_reader_verify import COUNTS, fake_run
+
+    from harvest.store.verify import verify, verify_all
+
+    whole = fake_run(tmp_path, "whole")
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(whole.url, a)
+    shutil.copytree(whole.url, b)
+    assert [r.ok for r in verify_all([str(a), str(b)])] == [True, True]  # two full copies: two runs
+    shutil.rmtree(b / "stream_00000")
+    for s in range(1, len(COUNTS)):
+        shutil.rmtree(a / f"stream_{s:05d}")
+    reports = verify_all([str(a), str(b)])
+    assert [r.ok for r in reports] == [True, True, True], [r.problems for r in reports]
+    assert reports[-1].summary.startswith(f"OK {a} + {b}: {len(COUNTS)} streams")
+    assert reports[-1].records == verify(whole.url).records
+    shutil.copytree(a / "stream_00000", b / "stream_00000")
+    shutil.rmtree(b / "stream_00001")
+    reports = verify_all([str(a), str(b)])
+    assert reports[-1].problems == [
+        f"stream_00000/: written in 2 outputs ({a}, {b}); a stream belongs to exactly one worker",
+        "stream_00001/: in none of the 2 outputs (never started)"]
