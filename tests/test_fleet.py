@@ -7,23 +7,25 @@ from __future__ import annotations
 import copy
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from fleet_helpers import FOUR_REGIONS, RecordedJobs, record, write_fleet
 from rich.console import Console
+from test_reader_verify import COUNTS, fake_run
 
 from harvest.cli import build_parser, main
-from harvest.errors import UserError
 from harvest.data.streams import create_streams
+from harvest.errors import UserError
 from harvest.fleet import launch, status
 from harvest.fleet.plan import make_plan, task_config
 from harvest.fleet.sky import skypilot_python
 from harvest.fleet.spec import load_fleet
 from harvest.fleet.topology import topology
+from harvest.store.verify import verify, verify_all
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +259,6 @@ def test_status_before_any_output_shows_every_worker_pending(tmp_path, streams32
 def test_verify_takes_a_fleets_outputs_as_one_run(tmp_path):
     """Outputs with one run.json config and the streams split between them are one run: each stream must be
     in exactly one of them (copies of the whole run are still verified one by one)."""
-    import shutil
-
-    from test_reader_verify import COUNTS, fake_run
-
-    from harvest.store.verify import verify, verify_all
-
     whole = fake_run(tmp_path, "whole")
     a, b = tmp_path / "a", tmp_path / "b"
     shutil.copytree(whole.url, a)
