@@ -55,7 +55,8 @@ base-image:
 	tar -C build/rootfs -c . | docker import - harvest-base:bookworm
 	rm -rf build/rootfs
 
-# Builds the CPU image on the local base and runs tests/test_image.py against it (long: its own target).
+# Builds the CPU image on the local base and runs tests/test_image.py against it: ~25 min here with
+# dockerd --storage-driver=vfs (every layer a full copy), so its own target, outside `make test`.
 image-test: $(VENV)/.installed-test
 	docker image inspect harvest-base:bookworm >/dev/null 2>&1 || $(MAKE) base-image
 	$(MAKE) image BASE_IMAGE=harvest-base:bookworm IMAGE=harvest:test
