@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+comma := ,
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean image base-image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +23,44 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/harvest demo
 
-test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+# SkyPilot in its own environment (its click pin conflicts with huggingface_hub's): `harvest fleet` calls
+# its SDK there, and tests/test_fleet.py loads the emitted tasks with it.
+SKY_VENV ?= .venv-sky
+$(SKY_VENV)/.installed:
+	$(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "skypilot[gcp]==0.14.1"
+	touch $@
+
+test: $(VENV)/.installed-test $(SKY_VENV)/.installed
+	HARVEST_SKYPILOT_PYTHON=$(SKY_VENV)/bin/python $(BIN)/python -m pytest
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/forward.py
 
+# The fleet's docker image (Dockerfile): harvest and its dependencies from a wheelhouse built here, so the
+# build needs no index. VARIANT cpu | tpu | cuda; BASE_IMAGE any image with python3 and venv.
+IMAGE ?= harvest:dev
+VARIANT ?= cpu
+BASE_IMAGE ?= python:3.11-slim
+image: $(VENV)/.installed
+	rm -rf build/docker && mkdir -p build/docker/wheelhouse
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --wheel-dir build/docker/wheelhouse \
+		".[gcs,s3$(if $(filter cpu,$(VARIANT)),,$(comma)$(VARIANT))]"
+	docker build -f Dockerfile --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VARIANT=$(VARIANT) -t $(IMAGE) build/docker
+
+# A Debian base image made locally (no registry needed): debootstrap + docker import. Needs root.
+base-image:
+	rm -rf build/rootfs && mkdir -p build
+	debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm $(CURDIR)/build/rootfs
+	tar -C build/rootfs -c . | docker import - harvest-base:bookworm
+	rm -rf build/rootfs
+
+# Builds the CPU image on the local base and runs tests/test_image.py against it: ~25 min here with
+# dockerd --storage-driver=vfs (every layer a full copy), so its own target, outside `make test`.
+image-test: $(VENV)/.installed-test
+	docker image inspect harvest-base:bookworm >/dev/null 2>&1 || $(MAKE) base-image
+	$(MAKE) image BASE_IMAGE=harvest-base:bookworm IMAGE=harvest:test
+	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/test_image.py
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(SKY_VENV) build src/*.egg-info .pytest_cache

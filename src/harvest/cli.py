@@ -75,16 +75,13 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from harvest.store.verify import verify
+    from harvest.store.verify import verify_all
 
-    failed = False
-    for url in args.urls:
-        result = verify(url)
-        for problem in result.problems:
-            print(problem)
-        print(result.summary)
-        failed |= not result.ok
-    return 1 if failed else 0
+    reports = verify_all(args.urls)
+    for report in reports:
+        for line in report.lines():
+            print(line)
+    return 0 if all(r.ok for r in reports) else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -95,6 +92,34 @@ def _inspect(args: argparse.Namespace) -> int:
     console = Console()
     for renderable in report.inspect(args.url):
         console.print(renderable)
+    return 0
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from harvest.fleet import launch, status
+    from harvest.fleet.plan import emit, make_plan, plan_table
+    from harvest.fleet.sky import SkyJobs
+    from harvest.fleet.spec import load_fleet
+
+    plan = make_plan(load_fleet(args.fleet))
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or a log gets whole URLs
+    if args.fleet_command == "plan":
+        console.print(plan_table(plan))
+        if args.emit:
+            print(f"wrote {len(emit(plan, args.emit))} SkyPilot task files to {args.emit}")
+        return 0
+    jobs = SkyJobs()
+    if args.fleet_command == "up":
+        launched, kept = launch.up(plan, jobs)
+        print(f"launched {len(launched)} workers ({', '.join(w.job_name for w in launched) or 'none'}); "
+              f"{len(kept)} already running or done")
+    elif args.fleet_command == "down":
+        cancelled = launch.down(plan, jobs)
+        print(f"cancelled {len(cancelled)} workers ({', '.join(w.job_name for w in cancelled) or 'none'})")
+    else:
+        return status.show(plan, jobs, watch=args.watch, interval=args.interval, console=console)
     return 0
 
 
@@ -147,13 +172,35 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
     status.set_defaults(run=_status)
 
-    verify = commands.add_parser("verify", help="check exactly-once coverage and checksums; exit 1 on a problem")
+    verify = commands.add_parser(
+        "verify", help="check exactly-once coverage and checksums; exit 1 on a problem",
+        description="Each URL on its own; URLs holding parts of one run (a fleet's buckets: one run.json "
+        "config, streams split between them) as that run: every stream in exactly one of them.")
     verify.add_argument("urls", nargs="+", metavar="URL")
     verify.set_defaults(run=_verify)
 
     inspect = commands.add_parser("inspect", help="what a run holds: points, tokens, shards, stats, a sample")
     inspect.add_argument("url")
     inspect.set_defaults(run=_inspect)
+
+    fleet = commands.add_parser(
+        "fleet", help="a multi-region run of many workers from one fleet.yaml, on SkyPilot managed jobs",
+        description="plan needs no cloud (it reads streams.json); up, status and down call SkyPilot "
+        "in its own environment (pipx install 'skypilot[gcp]==0.14.1'; found through `sky` on PATH).",
+    )
+    fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
+    for action, text in (("plan", "deal streams to workers, check the fleet, print the plan"),
+                         ("up", "launch the workers that are not already running (idempotent)"),
+                         ("status", "job state and storage progress per worker; exit 1 when a stream is stale"),
+                         ("down", "cancel the fleet's running workers")):
+        sub = fleet_commands.add_parser(action, help=text, description=text)
+        sub.add_argument("fleet", metavar="FLEET.yaml")
+        sub.set_defaults(run=_fleet)
+        if action == "plan":
+            sub.add_argument("--emit", metavar="DIR", help="write one SkyPilot task YAML per worker into DIR")
+        if action == "status":
+            sub.add_argument("--watch", action="store_true", help="refresh live until every stream is done")
+            sub.add_argument("--interval", type=float, default=30.0, help="seconds between refreshes (default: 30)")
 
     demo = commands.add_parser(
         "demo", help="the whole pipeline on the embedded tiny model and real ARC tasks, offline",

@@ -25,6 +25,7 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -106,15 +107,18 @@ class Problems:
         return [f"{url.rstrip('/')}/{rel}: {message}" for rel, message in sorted(self.found, key=lambda p: p[0])]
 
 
-def verify(url: str | Storage, *, workers: int = 4) -> Report:
-    """Check one run (see the module doc); `workers` shards are read and checked at a time."""
+def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None) -> Report:
+    """Check one run (see the module doc); `workers` shards are read and checked at a time. `only`: check
+    just these streams, the part of a split run one output holds (see verify_split)."""
     storage = url if isinstance(url, Storage) else Storage(str(url))
     report, problems = Report(storage.url), Problems()
     info = check_run_info(storage, problems)
     if info is not None:
         streams = covered_streams(info)
-        report.streams = len(streams)
         check_stream_dirs(storage, streams, problems)
+        if only is not None:
+            streams = [s for s in streams if s in only]
+        report.streams = len(streams)
         listing = {s: list_stream(storage, s, problems) for s in streams}
         jobs = [(s, k) for s in streams for k, _ in listing[s]]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -457,3 +461,47 @@ def _group_by_shard(records: np.ndarray, starts: list[int], ks: list[int]) -> di
         out.setdefault(ks[j], []).append(r)
     return out
 
+
+def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
+    """Each run on its own, or, when the URLs are parts of one run (see verify_split), that run."""
+    storages = [Storage(str(url)) for url in urls]
+    split = _split_run(storages)
+    if split is None:
+        return [verify(st, workers=workers) for st in storages]
+    return verify_split(storages, split, workers=workers)
+
+
+def _split_run(storages: list[Storage]) -> tuple[list[int], list[set[int]]] | None:
+    """(the run's streams, the streams each output holds) when several outputs have one run.json config
+    (config_sha256) and none holds every stream: a fleet's buckets, each written by some of its workers."""
+    if len(storages) < 2 or not all(st.exists("run.json") for st in storages):
+        return None
+    try:
+        infos = [st.read_json("run.json") for st in storages]
+    except (ValueError, UserError):
+        return None
+    if not all(isinstance(i, dict) for i in infos) or len({i.get("config_sha256") for i in infos}) != 1:
+        return None
+    streams = covered_streams(infos[0])
+    held = [set(list_stream_dirs(st)) for st in storages]
+    return None if any(h >= set(streams) for h in held) else (streams, held)
+
+
+def verify_split(storages: list[Storage], split: tuple[list[int], list[set[int]]], *,
+                 workers: int = 4) -> list[Report]:
+    """One run split over outputs: each output checked for the streams it holds, then one more report
+    (named after all of them) on the split itself: every stream in exactly one output."""
+    streams, held = split
+    reports = [verify(st, workers=workers, only=h) for st, h in zip(storages, held)]
+    whole = Report(" + ".join(st.url for st in storages), streams=len(streams))
+    for s in streams:
+        where = [st.url for st, h in zip(storages, held) if s in h]
+        if not where:
+            whole.problems.append(f"{fmt.stream_dir(s)}/: in none of the {len(storages)} outputs (never started)")
+        elif len(where) > 1:
+            whole.problems.append(f"{fmt.stream_dir(s)}/: written in {len(where)} outputs ({', '.join(where)}); "
+                                  f"a stream belongs to exactly one worker")
+    for r in reports:
+        for name in ("records", "shards", "samples", "tokens", "bytes", "skipped"):
+            setattr(whole, name, getattr(whole, name) + getattr(r, name))
+    return [*reports, whole]

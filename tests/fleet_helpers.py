@@ -1,0 +1,68 @@
+"""Helpers for the fleet tests: the users' four-region fleet, and SkyPilot's job queue as recorded records.
+
+RecordedJobs stands in for the one boundary no test can reach (SkyPilot's API server and a cloud): it holds
+job records shaped as `sky.jobs.queue_v2` returns them (as JSON, the way SkyJobs receives them) and hands them
+to harvest.fleet.sky for parsing, exactly as SkyJobs does; a launch queues a PENDING record.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harvest.fleet.sky import records_from_queue
+
+FOUR_REGIONS = {
+    "name": "arc-qwen05",
+    "extract": {"model": "Qwen/Qwen2.5-0.5B", "format": "arc", "points": "resid_post:12-23"},
+    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
+    "groups": [
+        {"name": "us-central1-v5e", "accelerator": "tpu-v5litepod-8", "regions": ["us-central1"], "workers": 8,
+         "spot": True, "streams": "0-7", "out": "gs://activations-us/arc-qwen05", "mesh": "data=8"},
+        {"name": "us-west4-v5e", "accelerator": "tpu-v5litepod-8", "regions": ["us-west4"], "workers": 8,
+         "spot": True, "streams": "8-15", "out": "gs://activations-us/arc-qwen05"},
+        {"name": "us-east5-v6e", "accelerator": "tpu-v6e-8", "regions": ["us-east5", "us-east1"], "workers": 8,
+         "spot": True, "streams": "auto", "out": "gs://activations-us/arc-qwen05", "mesh": "data=4,model=2"},
+        {"name": "europe-west4-v6e", "accelerator": "tpu-v6e-8", "regions": ["europe-west4"], "workers": 8,
+         "spot": True, "streams": "auto", "out": "gs://activations-eu/arc-qwen05"},
+    ],
+}
+
+
+def write_fleet(path: Path, fleet: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+    return path
+
+
+class RecordedJobs:
+    """SkyPilot's managed-job queue, from recorded records (see the module doc)."""
+
+    def __init__(self, records: list[dict[str, Any]] | None = None):
+        self.records = list(records or [])
+        self.launched: list[str] = []
+        self.cancelled: list[str] = []
+        self._ids = itertools.count(1 + max((r["job_id"] for r in self.records), default=0))
+
+    def queue(self):
+        return records_from_queue(self.records)
+
+    def launch(self, task: dict[str, Any], name: str) -> None:
+        assert task["name"] == name
+        self.launched.append(name)
+        self.records.append(record(next(self._ids), name, "PENDING"))
+
+    def cancel(self, name: str) -> None:
+        self.cancelled.append(name)
+        for r in self.records:
+            if r["job_name"] == name:
+                r["status"] = "CANCELLED"
+
+
+def record(job_id: int, name: str, status: str, recoveries: int = 0, region: str = "us-central1") -> dict:
+    """One job record as sky.jobs.queue_v2 returns it (the fields of its ManagedJobRecord)."""
+    return {"job_id": job_id, "task_id": 0, "job_name": name, "task_name": name, "resources": "1x[TPU]",
+            "submitted_at": 1.7e9, "end_at": None, "job_duration": 60.0, "recovery_count": recoveries,
+            "status": status, "region": region, "pool": None}

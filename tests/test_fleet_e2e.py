@@ -1,0 +1,208 @@
+"""A fleet end to end without a cloud: the run commands `harvest fleet plan` emits, for 2 groups x 2 workers,
+run as local processes with the env SkyPilot would give them (fresh working directory each, as a new VM),
+writing to the GCS emulator (one group) and moto S3 (the other). One worker is SIGKILLed and its command
+rerun, as a recovery would; `fleet status` shows the stale streams in between; `harvest verify` over both
+buckets passes and the shards equal those of one uninterrupted local run. With enforced leases (issue 7),
+a worker stopped (SIGSTOP) while its replacement runs exits without writing when resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from extract_helpers import harvest_env, run_harvest, write_text_dataset
+from fleet_helpers import RecordedJobs, record, write_fleet
+from rich.console import Console
+
+from harvest.cli import main
+from harvest.config import ExtractConfig
+from harvest.fleet import status
+from harvest.fleet.plan import make_plan, task_config
+from harvest.fleet.spec import load_fleet
+from harvest.store.fs import Storage
+
+pytestmark = pytest.mark.slow
+
+NUM_STREAMS = 8
+EXTRACT = {"points": "resid_post:1-3,mlp_out:2", "max_seq_len": 128, "long": "chunk", "batch_size": 2,
+           "shard_size": "192KB"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Streams of a 160-record dataset, the demo checkpoint, and an uninterrupted local run of all streams."""
+    from harvest.demo import demo_checkpoint
+
+    root = tmp_path_factory.mktemp("fleet-e2e")
+    cache = root / "cache"
+    checkpoint = demo_checkpoint(cache)
+    env = harvest_env(cache, devices=2)
+    source = write_text_dataset(root / "data.jsonl", n=160)
+    streams = root / "streams"
+    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(NUM_STREAMS),
+                       "--out", str(streams), env=env)
+    assert made.returncode == 0, made.stderr
+    reference = root / "reference"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRACT.items()]
+    done = run_harvest("extract", "--model", str(checkpoint), "--data", str(streams), "--out", str(reference),
+                       *flags, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return root, cache, checkpoint, streams, reference
+
+
+def fleet_yaml(path: Path, setup, gcs_out: str, s3_out: str, **extract) -> Path:
+    root, cache, checkpoint, streams, reference = setup
+    return write_fleet(path, {
+        "name": "e2e", "data": str(streams), "install": "pip install harvest",
+        "extract": {"model": str(checkpoint), **EXTRACT, **extract},
+        "groups": [
+            {"name": "gcs", "accelerator": "cpu", "regions": ["local"], "workers": 2, "streams": "0-3",
+             "out": gcs_out},
+            {"name": "s3", "accelerator": "cpu", "regions": ["local"], "workers": 2, "streams": "auto",
+             "out": s3_out},
+        ]})
+
+
+@dataclasses.dataclass
+class Host:
+    """Runs one worker's task as SkyPilot would on a fresh single-node VM."""
+
+    cache: Path
+    tmp: Path
+
+    def start(self, task: dict, tag: str) -> subprocess.Popen:
+        workdir = self.tmp / f"vm-{tag}-{time.monotonic_ns()}"  # a new VM: nothing left from before
+        workdir.mkdir(parents=True)
+        env = {**harvest_env(self.cache, devices=2), **task["envs"], "SKYPILOT_NODE_RANK": "0",
+               "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_IPS": "127.0.0.1",
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `harvest` as installed
+        with open(workdir / "log.txt", "wb") as log:
+            proc = subprocess.Popen(["bash", "-c", task["run"]], cwd=workdir, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log_path = workdir / "log.txt"
+        return proc
+
+
+def log_of(proc: subprocess.Popen) -> str:
+    return proc.log_path.read_text(errors="replace")[-3000:]
+
+
+def wait(proc: subprocess.Popen, timeout: float = 300) -> int:
+    return proc.wait(timeout=timeout)
+
+
+def committed(out: str, streams) -> int:
+    storage = Storage(out)
+    return sum(1 for s in streams for n in storage.listdir(f"stream_{s:05d}")
+               if n.startswith("shard_") and n.endswith(".json"))
+
+
+def wait_for_commits(proc: subprocess.Popen, out: str, streams, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while committed(out, streams) < n:
+        assert proc.poll() is None, f"worker exited ({proc.returncode}) before {n} commits"
+        assert time.monotonic() < deadline, f"no {n} commits after {timeout}s"
+        time.sleep(0.1)
+
+
+def committed_files(url: str) -> dict[str, bytes]:
+    storage = Storage(url)
+    return {f"{d}/{n}": storage.read_bytes(f"{d}/{n}") for d in storage.listdir() if d.startswith("stream_")
+            for n in storage.listdir(d) if n.startswith("shard_")}
+
+
+def assert_equals_reference(url: str, reference: Path, streams) -> None:
+    ours = committed_files(url)
+    theirs = {k: v for k, v in committed_files(str(reference)).items()
+              if int(k[len("stream_"):len("stream_") + 5]) in streams}
+    assert sorted(ours) == sorted(theirs) and len(ours) >= 2 * len(streams)
+    assert ours == theirs
+
+
+def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_path, capsys):
+    root, cache, checkpoint, streams_dir, reference = setup
+    plan = make_plan(load_fleet(fleet_yaml(tmp_path / "fleet.yaml", setup, gcs_url, s3_url)))
+    tasks = {w.worker_id: task_config(w, plan.spec) for w in plan.workers}
+    by_id = {w.worker_id: w for w in plan.workers}
+    assert [list(w.streams) for w in plan.workers] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    host = Host(cache, tmp_path)
+
+    victim = by_id["e2e/gcs/0"]
+    proc = host.start(tasks[victim.worker_id], "gcs-0")
+    others = {wid: host.start(tasks[wid], wid.replace("/", "-")) for wid in ("e2e/gcs/1", "e2e/s3/0", "e2e/s3/1")}
+    wait_for_commits(proc, gcs_url, victim.streams, 2)
+    assert proc.poll() is None, "the worker finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # a preemption: no goodbye
+    proc.wait()
+    for wid, other in others.items():
+        assert wait(other) == 0, log_of(other)
+
+    # Between preemption and recovery: SkyPilot says RECOVERING, storage says the victim's streams are
+    # unfinished; an hour on they are stale and `fleet status` exits 1 naming the worker.
+    jobs = RecordedJobs([record(1, "e2e-gcs-0", "RECOVERING", recoveries=1),
+                         *(record(i + 2, by_id[wid].job_name, "SUCCEEDED") for i, wid in enumerate(others))])
+    an_hour_on = datetime.now(timezone.utc) + timedelta(hours=1)
+    later = status.fleet_status(plan, jobs, now=an_hour_on)
+    assert [w.worker.worker_id for w in later.workers if w.stale] == ["e2e/gcs/0"] and not later.finished
+    quiet = Console(file=io.StringIO())
+    assert status.show(plan, jobs, console=quiet) == 0 and status.show(plan, jobs, console=quiet, now=an_hour_on) == 1
+    console = Console(record=True, width=220)
+    for renderable in status.render(later):
+        console.print(renderable)
+    text = console.export_text()
+    assert "stale: e2e/gcs/0" in text and "RECOVERING" in text and "SUCCEEDED" in text
+
+    rerun = host.start(tasks[victim.worker_id], "gcs-0-recovered")  # the same command on a new VM
+    assert wait(rerun) == 0, log_of(rerun)
+
+    now = status.fleet_status(plan, jobs)
+    assert not now.stale and now.finished
+    counts = plan.counts
+    for w in now.workers:
+        assert w.done == 2 and w.total("records") == sum(counts[s] for s in w.worker.streams)
+    console = Console(record=True, width=220)
+    assert status.show(plan, jobs, console=console) == 0
+    assert "8/8 streams done" in console.export_text()
+
+    # `harvest verify` over both buckets proves each stream done exactly once; one bucket alone is not the run
+    assert main(["verify", gcs_url, s3_url]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith(f"OK {gcs_url} + {s3_url}: 8 streams"), out
+    assert main(["verify", gcs_url]) == 1 and "stream_00004/: no committed shard" in capsys.readouterr().out
+    assert_equals_reference(gcs_url, reference, [0, 1, 2, 3])
+    assert_equals_reference(s3_url, reference, [4, 5, 6, 7])
+
+
+ENFORCED_LEASES = "lease_ttl" in {f.name for f in dataclasses.fields(ExtractConfig)}
+
+
+@pytest.mark.skipif(not ENFORCED_LEASES, reason="needs enforced leases with fencing (issue 7: --lease-ttl)")
+def test_a_stopped_worker_resumed_after_its_replacement_exits_without_writing(setup, s3_url, gcs_url, tmp_path):
+    root, cache, checkpoint, streams_dir, reference = setup
+    ttl = 6
+    plan = make_plan(load_fleet(fleet_yaml(tmp_path / "fleet.yaml", setup, gcs_url, s3_url, lease_ttl=ttl)))
+    worker = next(w for w in plan.workers if w.worker_id == "e2e/s3/1")
+    task = task_config(worker, plan.spec)
+    host = Host(cache, tmp_path)
+    old = host.start(task, "s3-1-old")
+    wait_for_commits(old, s3_url, worker.streams, 1)
+    os.killpg(old.pid, signal.SIGSTOP)  # a VM that stalls; SkyPilot replaces it
+    try:
+        time.sleep(ttl + 2)
+        new = host.start(task, "s3-1-new")
+        assert wait(new) == 0, log_of(new)
+        before = committed_files(s3_url)
+    finally:
+        os.killpg(old.pid, signal.SIGCONT)
+    code = wait(old, timeout=60)
+    assert code != 0, log_of(old)
+    assert committed_files(s3_url) == before  # the old worker wrote nothing after it woke
+    assert_equals_reference(s3_url, reference, list(worker.streams))
