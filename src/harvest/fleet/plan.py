@@ -16,11 +16,12 @@ import yaml
 from rich.table import Table
 
 from harvest import config
-from harvest.config import ExtractConfig, format_ranges, parse_ranges
+from harvest.config import ExtractConfig
 from harvest.data.streams import StreamSet
-from harvest.errors import UserError
+from harvest.errors import RetryLater, UserError
 from harvest.fleet.spec import FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology, topology
+from harvest.ranges import format_ranges, parse_ranges
 from harvest.runtime.mesh import mesh_shape
 
 # Settings the plan sets per worker; a fleet.yaml `extract` section may not.
@@ -28,7 +29,7 @@ PER_WORKER = {"data": "the fleet's data", "out": "each group's out", "streams": 
               "mesh": "each group's mesh", "worker_id": "the plan ({name}/{group}/{k})",
               "coordinator": "SkyPilot's env", "num_processes": "SkyPilot's env", "process_id": "SkyPilot's env"}
 REFUSED = {"overwrite": "a recovered worker would delete what it wrote before its preemption"}
-RETRYABLE_EXIT_CODES = (75,)  # harvest.errors.TRANSIENT_EXIT: storage or peers gone for now; try again
+RETRYABLE_EXIT_CODES = (RetryLater.exit_code,)  # storage unreachable for now: a rerun resumes
 COORDINATOR_PORT = 8476
 JOB_RECOVERY = "EAGER_NEXT_REGION"
 MAX_RESTARTS_ON_ERRORS = 3
@@ -169,10 +170,9 @@ def extract_args(worker: Worker, spec: FleetSpec) -> list[str]:
     args = ["extract"]
     for field in dataclasses.fields(ExtractConfig):
         value = settings.get(field.name)
-        flag = "--" + field.name.replace("_", "-")
         if value is None or value is False:
             continue
-        args += [flag] if value is True else [flag, str(value)]
+        args += [config.flag(field.name)] if value is True else [config.flag(field.name), str(value)]
     return args
 
 

@@ -15,11 +15,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from harvest.config import format_ranges
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.sky import JobRecord, Jobs
+from harvest.ranges import format_ranges
 from harvest.store.fs import Storage
-from harvest.store.report import RunScanner, _human_age, human_count, status_rows
+from harvest.store.report import RunScanner, human_age, human_count, status_rows
 
 _JOB_STYLE = {"RUNNING": "green", "RECOVERING": "yellow", "SUCCEEDED": "green", "PENDING": "dim", "STARTING": "cyan"}
 
@@ -91,7 +91,7 @@ def _eta(records: float, total: float | None, tokens: float, rate: float) -> str
     if total is None or not rate or not records:
         return "-"
     seconds = (total - records) * (tokens / records) / rate
-    return "done" if seconds <= 0 else _human_age(seconds).replace(" ago", "")
+    return "done" if seconds <= 0 else human_age(seconds).replace(" ago", "")
 
 
 def _records(records: float, total: float | None) -> str:
@@ -119,7 +119,7 @@ def render(status: FleetStatus) -> list[RenderableType]:
                           (w.job.region if w.job else None) or "-", str(w.job.recoveries if w.job else "-"), format_ranges(w.worker.streams),
                           f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
                           human_count(w.total("rate")) if w.total("rate") else "-",
-                          Text(_human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
+                          Text(human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
                                                                            if stale else ""),
                                style="bold red" if stale else ""),
                           _eta(w.total("records"), _sum_total([w]), w.total("tokens"), w.total("rate")))

@@ -50,7 +50,7 @@ def _age(updated_at: str | None, now: datetime) -> float | None:
     return max(0.0, (now - then).total_seconds())
 
 
-def _human_age(seconds: float | None) -> str:
+def human_age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     if seconds < 120:
@@ -181,7 +181,7 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
         table.add_row(str(r["stream"]), Text(r["state"], style=_STYLE[r["state"]]),
                       _records_cell(r["records"], r["total"]),
                       human_count(r["samples"]), human_count(r["tokens"]), str(r["shards"]),
-                      human_count(r["rate"]) if r["rate"] else "-", str(r["worker"]), _human_age(r["age"]))
+                      human_count(r["rate"]) if r["rate"] else "-", str(r["worker"]), human_age(r["age"]))
     if len(shown) < len(rows):
         hidden = [r for r in rows if r not in shown]
         table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "",
@@ -194,7 +194,7 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
                   str(sum(r["shards"] for r in rows)),
                   human_count(sum(r["rate"] for r in rows)) if any(r["rate"] for r in rows) else "-",
                   f"{len({r['worker'] for r in rows if r['state'] == 'running'})} running",
-                  _human_age(min(ages) if ages else None), style="bold", end_section=True)
+                  human_age(min(ages) if ages else None), style="bold", end_section=True)
     return table
 
 
