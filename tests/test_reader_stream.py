@@ -38,7 +38,8 @@ class RunWriter:
         self.positions = [0] * streams
         self.storage.write_json("run.json", {
             "format_version": fmt.FORMAT_VERSION, "harvest_version": "0.0.test", "model": {"source": f"tiny{seed}"},
-            "tokenizer_sha256": "1" * 64, "tensors": tensors, "dtype": "bfloat16",
+            "tokenizer_sha256": "1" * 64, "points": [], "tensors": tensors, "dtype": "bfloat16",
+            "compute_dtype": "float32", "max_seq_len": 64, "long": "truncate", "format": "text",
             "data": {"source": "data.jsonl", "num_streams": streams, "counts": None, "mapping": "round_robin"},
             **({"special_token_ids": list(SPECIAL)} if special else {}), "config": {}, "config_sha256": "2" * 64})
 
@@ -170,7 +171,7 @@ def test_one_tensor_of_eight_reads_only_its_bytes_from_s3(s3_proxy_url, s3_proxy
     w = RunWriter(s3_proxy_url, tensors=tensors, streams=1)
     w.shard(0, [256], final=True)
     run = open_run(s3_proxy_url)
-    shard_bytes = run.shards[0]["bytes"]
+    shard_bytes = run.shards[0].bytes
     wanted = 256 * 1024 * 2 + 256 * 4  # the tensor and the tokens
     before = s3_proxy.bytes_down
     tokens, batches = served(run.token_batches(64, "resid_post.5", shuffle=False))
@@ -370,7 +371,7 @@ def test_an_extracted_chat_run_leaves_its_special_tokens_out(tmp_path):
                               points="resid_post:1", format="chat", dtype="float32", max_seq_len=64, batch_size=2,
                               shard_size="4KB").validate())
     run = open_run(str(tmp_path / "out"))
-    special = set(run.info["special_token_ids"])
+    special = set(run.info.special_token_ids)
     stored = np.concatenate([run.read_shard(sc)["tokens"] for sc in run.shards])
     assert special and np.isin(stored, list(special)).sum() >= 4 * 4  # <|im_start|>/<|im_end|> per message
     tokens, batches = served(run.token_batches(8, seed=1))

@@ -136,7 +136,7 @@ def test_open_and_sample_access(run):
     r = open_run(run.url)
     assert r.tensors == TENSORS
     assert r.streams == [0, 1]
-    assert [(sc["stream"], sc["shard"]) for sc in r.shards] == [
+    assert [(sc.stream, sc.shard) for sc in r.shards] == [
         (s, k) for s in (0, 1) for k in range(len(run.shards[s]))]
     assert r.num_samples == len(run.pieces)
     assert r.num_tokens == len(run.all_tokens())

@@ -323,7 +323,7 @@ def test_mutated_records_are_skipped_with_their_reason_and_valid_ones_stored(fmt
     run_extract(config)
 
     run = open_run(str(out))
-    skipped = {e["sample_id"]: e for sc in run.shards for e in sc["skipped"]}
+    skipped = {e["sample_id"]: e for sc in run.shards for e in sc.skipped}
     stored: dict[int, list] = {}
     for sample in run.iter_samples():
         stored.setdefault(sample.sample_id, []).append((sample.variant, sample.tokens))

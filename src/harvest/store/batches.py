@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import logging
 import sys
 import threading
@@ -47,6 +46,7 @@ from harvest.store.layout import (
     read_rows,
     rows_of,
 )
+from harvest.store.records import RunInfo
 
 if TYPE_CHECKING:
     from harvest.store.reader import Run
@@ -110,8 +110,8 @@ class Position:
     row: int
 
 
-def run_fingerprint(info: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+def run_fingerprint(info: RunInfo) -> str:
+    return hashlib.sha256(info.to_bytes()).hexdigest()[:16]
 
 
 def torch_worker() -> tuple[int, int]:
@@ -187,7 +187,7 @@ class TokenBatches:
     def _excluded(self, exclude: Sequence[int] | None) -> list[int]:
         if exclude is not None:
             return [int(t) for t in exclude]
-        special = self.run.info.get("special_token_ids")
+        special = self.run.info.special_token_ids
         if special is None:
             log.info("%s: run.json records no special token ids (an older run): no token is left out; "
                      "pass exclude=[ids] to leave some out", self.run.url)
@@ -258,7 +258,7 @@ class TokenBatches:
                                  f"has {len(by_stream.get(s, []))}: not this run's")
         self._shard_counts = counts
         shards = [sc for s in sorted(counts) for sc in by_stream[s][:counts[s]]]
-        tokens = sum(int(sc["tokens"]) for sc in shards)
+        tokens = sum(sc.tokens for sc in shards)
         writing = sum(1 for s in counts if not run.done(s))
         self.shards_seen = len(shards)
         log.info("%s: epoch %d reads %d committed shards (%d tokens, %d streams%s)", run.url, self._pos.epoch,
@@ -266,7 +266,7 @@ class TokenBatches:
         return shards
 
     def _plan(self, order: Order, shards: list[dict[str, Any]]) -> list[list[shuffle.Piece]]:
-        pieces = shuffle.cut([(int(sc["stream"]), int(sc["shard"]), int(sc["tokens"])) for sc in shards],
+        pieces = shuffle.cut([(sc.stream, sc.shard, sc.tokens) for sc in shards],
                              order.piece_tokens)
         mine = shuffle.share(shuffle.epoch_order(pieces, order.seed, self._pos.epoch, order.shuffle),
                              order.rank, order.world, order.worker, order.workers)
@@ -277,7 +277,7 @@ class TokenBatches:
         order = self._loaded_order or self.order()
         self._loaded_order = order
         while self.epochs is None or self._pos.epoch < self._first_epoch + self.epochs:
-            sidecars = {(int(sc["stream"]), int(sc["shard"])): sc for sc in self._epoch_shards(order)}
+            sidecars = {(sc.stream, sc.shard): sc for sc in self._epoch_shards(order)}
             plan = self._plan(order, list(sidecars.values()))
             yield from self._serve(order, plan, sidecars)
             self._pos, self._shard_counts = Position(self._pos.epoch + 1, 0, 0), None
@@ -391,11 +391,11 @@ class TokenBatches:
         Raises ValueError naming what does not match."""
         storage = self.run.storage
         layout = read_layout(storage, rel)
-        fields, tokens = layout.fields, int(sc["tokens"])
-        if (fields.get("stream"), fields.get("shard")) != (str(sc["stream"]), str(sc["shard"])):
+        fields, tokens = layout.fields, sc.tokens
+        if (fields.get("stream"), fields.get("shard")) != (str(sc.stream), str(sc.shard)):
             raise ValueError(f"its header names stream {fields.get('stream')} shard {fields.get('shard')}")
-        if layout.size != int(sc["bytes"]):
-            raise ValueError(f"its header describes {layout.size} bytes, its sidecar {sc['bytes']}")
+        if layout.size != sc.bytes:
+            raise ValueError(f"its header describes {layout.size} bytes, its sidecar {sc.bytes}")
         for k in self.keys:
             span = layout.tensors.get(k)
             want = (tokens,) if k == "tokens" else (tokens, self.run.tensors[k])
@@ -405,10 +405,10 @@ class TokenBatches:
             if k != "tokens" and span.dtype != self._stored:
                 raise ValueError(f"tensor {k!r} is {span.dtype}, run.json says {self.run.dtype}")
         size = storage.size(rel)
-        if size != int(sc["bytes"]):
-            raise ValueError(f"the file is {size} bytes, its sidecar says {sc['bytes']} (cut short or replaced)")
-        if self.hash and file_sha256(storage, rel) != sc.get("sha256"):
-            raise ValueError(f"its sha256 does not match its sidecar's ({str(sc.get('sha256'))[:12]}...)")
+        if size != sc.bytes:
+            raise ValueError(f"the file is {size} bytes, its sidecar says {sc.bytes} (cut short or replaced)")
+        if self.hash and file_sha256(storage, rel) != sc.sha256:
+            raise ValueError(f"its sha256 does not match its sidecar's ({sc.sha256[:12]}...)")
         return layout
 
 

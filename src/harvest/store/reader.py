@@ -32,6 +32,7 @@ from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.batches import TokenBatches, UnknownTensorError
 from harvest.store.fs import Storage
+from harvest.store.records import RunInfo, Sidecar
 
 STREAM_DIR = re.compile(r"^stream_(\d{5})$")
 SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
@@ -51,17 +52,17 @@ def position(p: Sequence[int]) -> tuple[int, int]:
     return int(p[0]), int(p[1])
 
 
-def covered_streams(info: dict[str, Any]) -> list[int]:
+def covered_streams(info: RunInfo) -> list[int]:
     """The streams a run covers, from run.json's data section (`streams` if listed, else all num_streams)."""
-    data = info.get("data") or {}
+    data = info.data
     if data.get("streams") is not None:
         return sorted(int(s) for s in data["streams"])
     return list(range(int(data.get("num_streams") or 1)))
 
 
-def stream_count(info: dict[str, Any], stream: int) -> int | None:
+def stream_count(info: RunInfo, stream: int) -> int | None:
     """Records in a stream per run.json (None when the source's length is unknown)."""
-    counts = (info.get("data") or {}).get("counts")
+    counts = info.data.get("counts")
     if counts is None:
         return None
     if isinstance(counts, dict):
@@ -79,18 +80,18 @@ def list_stream_dirs(storage: Storage) -> list[int]:
     return sorted(int(m.group(1)) for m in map(STREAM_DIR.match, storage.listdir("")) if m)
 
 
-def read_run_info(storage: Storage) -> dict[str, Any]:
+def read_run_info(storage: Storage) -> RunInfo:
     if not storage.exists("run.json"):
         raise UserError(f"{storage.url}: no run.json here, so not a harvest run; check the URL "
                         f"(a run writes run.json before its first shard)")
     try:
-        info = storage.read_json("run.json")
-    except (ValueError, UserError) as e:  # StorageError names the file already
+        info = RunInfo.from_bytes(storage.read_bytes("run.json"))
+    except UserError as e:  # StorageError names the file already
         raise UserError(f"{e}; the run's metadata is damaged") from None
-    if not isinstance(info, dict) or not isinstance(info.get("tensors"), dict):
-        raise UserError(f"{storage.url}/run.json: no `tensors` mapping; not a harvest run.json")
-    if int(info.get("format_version", 0)) > fmt.FORMAT_VERSION:
-        raise UserError(f"{storage.url}/run.json: format_version {info['format_version']} is newer than this "
+    except ValueError as e:
+        raise UserError(f"{storage.url}/run.json: not a harvest run.json ({e})") from None
+    if info.format_version > fmt.FORMAT_VERSION:
+        raise UserError(f"{storage.url}/run.json: format_version {info.format_version} is newer than this "
                         f"harvest reads ({fmt.FORMAT_VERSION}); upgrade harvest")
     return info
 
@@ -122,11 +123,11 @@ class Run:
         self._full_index: dict[tuple[int, int], tuple[int, int]] | None = None
 
     def _set_shards(self, sidecars: list[dict[str, Any]]) -> None:
-        self._shards = sorted(sidecars, key=lambda sc: (int(sc["stream"]), int(sc["shard"])))
+        self._shards = sorted(sidecars, key=lambda sc: (sc.stream, sc.shard))
         self._by_stream: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
         for sc in self._shards:
-            self._by_stream[int(sc["stream"])].append(sc)
-        self._starts = {s: [position(sc["start"]) for sc in scs] for s, scs in self._by_stream.items()}
+            self._by_stream[sc.stream].append(sc)
+        self._starts = {s: [position(sc.start) for sc in scs] for s, scs in self._by_stream.items()}
         self._full_index = None
 
     def refresh(self) -> Run:
@@ -141,15 +142,15 @@ class Run:
 
     @property
     def tensors(self) -> dict[str, int]:
-        return {name: int(width) for name, width in self.info["tensors"].items()}
+        return {name: int(width) for name, width in self.info.tensors.items()}
 
     @property
     def dtype(self) -> str:
-        return self.info.get("dtype", "bfloat16")
+        return self.info.dtype
 
     @property
     def num_streams(self) -> int:
-        return int((self.info.get("data") or {}).get("num_streams") or 1)
+        return int(self.info.data.get("num_streams") or 1)
 
     @property
     def streams(self) -> list[int]:
@@ -163,19 +164,19 @@ class Run:
 
     @property
     def num_samples(self) -> int:
-        return sum(int(sc["samples"]) for sc in self._shards)
+        return sum(sc.samples for sc in self._shards)
 
     @property
     def num_tokens(self) -> int:
-        return sum(int(sc["tokens"]) for sc in self._shards)
+        return sum(sc.tokens for sc in self._shards)
 
     @property
     def num_bytes(self) -> int:
-        return sum(int(sc["bytes"]) for sc in self._shards)
+        return sum(sc.bytes for sc in self._shards)
 
     def done(self, stream: int) -> bool:
         scs = self._by_stream.get(stream)
-        return bool(scs) and bool(scs[-1].get("final"))
+        return bool(scs) and scs[-1].final
 
     def __repr__(self) -> str:
         return (f"Run({self.url!r}: {len(self.tensors)} tensors, {len(self.streams)} streams, "
@@ -183,8 +184,8 @@ class Run:
 
     # shards -----------------------------------------------------------------------------------------
     def shard_path(self, sidecar: dict[str, Any]) -> str:
-        name = sidecar.get("file") or fmt.shard_stem(int(sidecar["shard"])) + ".safetensors"
-        return f"{fmt.stream_dir(int(sidecar['stream']))}/{name}"
+        name = sidecar.file
+        return f"{fmt.stream_dir(sidecar.stream)}/{name}"
 
     def read_shard(self, sidecar: dict[str, Any]) -> dict[str, np.ndarray]:
         """All tensors of one committed shard (read and decoded, not cached)."""
@@ -196,7 +197,7 @@ class Run:
             raise UserError(f"{self.url}/{rel}: {e}; run `harvest verify {self.url}`") from None
 
     def _cached_shard(self, sidecar: dict[str, Any]) -> dict[str, np.ndarray]:
-        key = (int(sidecar["stream"]), int(sidecar["shard"]))
+        key = (sidecar.stream, sidecar.shard)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -220,7 +221,7 @@ class Run:
         if k < 0:
             return None
         sc = self._by_stream[stream][k]
-        return sc if (index, variant) < position(sc["next"]) else None
+        return sc if (index, variant) < position(sc.next) else None
 
     def _scan_index(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(sample_id, variant) -> (position in self._shards, row), reading every shard: for unknown mappings."""
@@ -236,7 +237,7 @@ class Run:
     def sample(self, sample_id: int, variant: int = 0) -> Sample:
         """One sample by its global id (its row in the source) and variant. KeyError if the run lacks it."""
         sample_id, variant = int(sample_id), int(variant)
-        if (self.info.get("data") or {}).get("mapping", "round_robin") == "round_robin":
+        if self.info.data.get("mapping", "round_robin") == "round_robin":
             sc = self._locate(sample_id, variant)
             if sc is not None:
                 t = self._cached_shard(sc)
@@ -249,7 +250,7 @@ class Run:
                 sc = self._shards[found[0]]
                 return self._sample_at(sc, self._cached_shard(sc), found[1])
             sc = None
-        skipped = (sc.get("skipped") or []) if sc is not None else self._skipped_entries(sample_id)
+        skipped = sc.skipped if sc is not None else self._skipped_entries(sample_id)
         for entry in skipped:
             if int(entry.get("sample_id", -1)) == sample_id and int(entry.get("variant", variant)) == variant:
                 raise KeyError(f"sample {sample_id} (variant {variant}) was skipped by the run: "
@@ -257,25 +258,25 @@ class Run:
                                + (f" ({entry['location']})" if entry.get("location") else ""))
         stream = sample_id % self.num_streams
         done = self._by_stream.get(stream)
-        where = (f"stream {stream} is committed through position {done[-1]['next']}" if done
+        where = (f"stream {stream} is committed through position {list(done[-1].next)}" if done
                  else f"stream {stream} has no committed shard")
         raise KeyError(f"sample {sample_id} variant {variant} is not in run {self.url} ({where})")
 
     def _skipped_entries(self, sample_id: int) -> list[dict[str, Any]]:
-        return [e for sc in self._shards for e in sc.get("skipped") or [] if int(e.get("sample_id", -1)) == sample_id]
+        return [e for sc in self._shards for e in sc.skipped if int(e.get("sample_id", -1)) == sample_id]
 
     def _sample_at(self, sc: dict[str, Any], t: dict[str, np.ndarray], row: int) -> Sample:
         lo, hi = int(t["offsets"][row]), int(t["offsets"][row + 1])
         return Sample(
             sample_id=int(t["sample_ids"][row]), variant=int(t["variants"][row]), tokens=t["tokens"][lo:hi],
-            activations={name: t[name][lo:hi] for name in self.tensors}, stream=int(sc["stream"]),
-            shard=int(sc["shard"]))
+            activations={name: t[name][lo:hi] for name in self.tensors}, stream=sc.stream,
+            shard=sc.shard)
 
     def iter_samples(self, streams: Sequence[int] | None = None) -> Iterator[Sample]:
         """Every committed sample, in (stream, position) order; arrays are views into the shard."""
         wanted = None if streams is None else {int(s) for s in streams}
         for sc in self._shards:
-            if int(sc["samples"]) == 0 or (wanted is not None and int(sc["stream"]) not in wanted):
+            if sc.samples == 0 or (wanted is not None and sc.stream not in wanted):
                 continue
             yield from self.shard_samples(sc)
 
@@ -292,11 +293,11 @@ class Run:
         width = self.tensors[name]
         parts = []
         for sc in self._shards:
-            entry = (sc.get("stats") or {}).get(name)
+            entry = sc.stats.get(name)
             if entry is None:
-                if int(sc["tokens"]) == 0:
+                if sc.tokens == 0:
                     continue
-                raise UserError(f"{self.url}/{fmt.stream_dir(int(sc['stream']))}/{fmt.shard_stem(int(sc['shard']))}"
+                raise UserError(f"{self.url}/{fmt.stream_dir(sc.stream)}/{fmt.shard_stem(sc.shard)}"
                                 f".json: no stats for {name}; run `harvest verify {self.url}`")
             parts.append(fmt.RunningStats.from_json(entry))
         if not parts:
@@ -306,10 +307,10 @@ class Run:
         return parts[0]
 
     def _check_names(self, names: Sequence[str]) -> list[str]:
-        unknown = [n for n in names if n not in self.info["tensors"]]
+        unknown = [n for n in names if n not in self.info.tensors]
         if unknown:
             raise UnknownTensorError(f"{', '.join(map(repr, unknown))} not in run {self.url}; it holds "
-                           f"{', '.join(self.info['tensors'])}")
+                           f"{', '.join(self.info.tensors)}")
         return list(names)
 
     # SAE training batches -----------------------------------------------------------------------------
@@ -404,17 +405,16 @@ def _torch_converter():
     return convert
 
 
-def _read_sidecars(storage: Storage, info: dict[str, Any]) -> list[dict[str, Any]]:
+def _read_sidecars(storage: Storage, info: RunInfo) -> list[Sidecar]:
     paths = [f"{fmt.stream_dir(s)}/{name}" for s in list_stream_dirs(storage) for name in list_sidecars(storage, s)]
 
-    def read(rel: str) -> dict[str, Any]:
+    def read(rel: str) -> Sidecar:
         try:
-            sc = storage.read_json(rel)
-        except (ValueError, UserError) as e:  # StorageError names the file already
+            return Sidecar.from_bytes(storage.read_bytes(rel))
+        except UserError as e:  # StorageError names the file already
             raise UserError(f"{e}; run `harvest verify {storage.url}`") from None
-        if not isinstance(sc, dict) or not {"stream", "shard", "start", "next", "samples", "tokens"} <= sc.keys():
-            raise UserError(f"{storage.url}/{rel}: not a shard sidecar; run `harvest verify {storage.url}`")
-        return sc
+        except ValueError as e:
+            raise UserError(f"{storage.url}/{rel}: not a shard sidecar ({e}); run `harvest verify {storage.url}`") from None
 
     if len(paths) <= 1:
         return [read(p) for p in paths]

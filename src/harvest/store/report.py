@@ -29,7 +29,7 @@ from harvest.store.reader import (
     read_run_info,
     stream_count,
 )
-from harvest.store.records import Progress, Sidecar
+from harvest.store.records import Progress, RunInfo, Sidecar
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
@@ -117,7 +117,7 @@ class RunScanner:
             return list(pool.map(self._scan_stream, self.streams))
 
 
-def _row(info: dict[str, Any], scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
+def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
     s, committed, progress = scanned["stream"], scanned["committed"], scanned["progress"]
     done = bool(committed) and committed[-1].final
     records = committed[-1].records if committed else 0
@@ -219,10 +219,10 @@ def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None
 def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableType]:
     """What a run holds: its setup, the committed totals, per-tensor stats, and one sample."""
     run = open_run(_storage(url))
-    info, data, model = run.info, run.info.get("data") or {}, run.info.get("model") or {}
+    info, data, model = run.info, run.info.data, run.info.model
     streams = covered_streams(info)
     done = sum(run.done(s) for s in streams)
-    skipped = sum(len(sc.get("skipped") or []) for sc in run.shards)
+    skipped = sum(len(sc.skipped) for sc in run.shards)
     counts = data.get("counts")
 
     about = Table.grid(padding=(0, 2))
@@ -232,17 +232,17 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     about.add_row("model", f"{model.get('source', '?')} ({model.get('model_type', '?')}, "
                            f"{model.get('num_layers', '?')} layers, d={model.get('hidden_size', '?')}, "
                            f"ffn={model.get('intermediate_size', '?')})")
-    points = ", ".join(f"{p}:{format_ranges(layers)}" for p, layers in info.get("points") or [])
+    points = ", ".join(f"{p}:{format_ranges(layers)}" for p, layers in info.points)
     about.add_row("points", points or ", ".join(run.tensors))
-    about.add_row("dtype", f"{run.dtype} (computed in {info.get('compute_dtype', '?')})")
-    about.add_row("input", f"{data.get('source', '?')}, format {info.get('format', '?')}, max_seq_len "
-                           f"{info.get('max_seq_len', '?')}, long {info.get('long', '?')}")
+    about.add_row("dtype", f"{run.dtype} (computed in {info.compute_dtype})")
+    about.add_row("input", f"{data.get('source', '?')}, format {info.format}, max_seq_len "
+                           f"{info.max_seq_len}, long {info.long}")
     about.add_row("streams", f"{done}/{len(streams)} done"
                   + (f", {sum(counts):,} records" if isinstance(counts, list) else ", length unknown"))
     about.add_row("committed", f"{run.num_samples:,} samples, {run.num_tokens:,} tokens, {len(run.shards)} shards, "
                                f"{human_bytes(run.num_bytes)}, {skipped} skipped")
-    about.add_row("version", f"harvest {info.get('harvest_version', '?')}, format {info.get('format_version', '?')}, "
-                             f"config {str(info.get('config_sha256', '?'))[:12]}")
+    about.add_row("version", f"harvest {info.harvest_version}, format {info.format_version}, "
+                             f"config {info.config_sha256[:12]}")
 
     tensors = Table(title="tensors (stats over every committed token)", title_justify="left")
     for name in ("tensor", "width", "dtype", "tokens", "mean of means", "mean std", "max |mean|"):
@@ -257,7 +257,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
             tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-")
 
     out: list[RenderableType] = [about, tensors]
-    first = next((sc for sc in run.shards if int(sc["samples"]) > 0), None)
+    first = next((sc for sc in run.shards if sc.samples > 0), None)
     if first is not None:
         sample = next(run.shard_samples(first))
         n = min(sample_tokens, len(sample.tokens))

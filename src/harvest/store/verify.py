@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -143,7 +142,7 @@ def check_stream_dirs(storage: Storage, streams: list[int], problems: Problems) 
                                                   f"{format_ranges(streams, sep=', ', limit=6)})")
 
 
-def check_run_info(storage: Storage, problems: Problems) -> dict[str, Any] | None:
+def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     """run.json's fields that the other checks rely on; None (and problems) when it cannot be used."""
     if not storage.exists("run.json"):
         problems.add("run.json", "missing: not a harvest run, or one that never started")
@@ -178,14 +177,15 @@ def check_run_info(storage: Storage, problems: Problems) -> dict[str, Any] | Non
         if data.get("streams") is not None and not all(
                 isinstance(s, int) and 0 <= s < data["num_streams"] for s in data["streams"]):
             bad.append(f"data.streams must list stream numbers below num_streams, got {data['streams']!r}")
+    typed = None
     if not bad:
         try:
-            RunInfo.from_json(info)
+            typed = RunInfo.from_json(info)
         except ValueError as e:
             bad.append(f"not a harvest run.json ({e})")
     for message in bad:
         problems.add("run.json", message)
-    return None if bad else info
+    return typed
 
 
 def list_stream(storage: Storage, s: int, problems: Problems) -> list[tuple[int, bool]]:
@@ -232,7 +232,7 @@ def read_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sideca
     return None if bad else sc
 
 
-def check_shard(storage: Storage, info: dict[str, Any], s: int, k: int, sc: Sidecar, problems: Problems):
+def check_shard(storage: Storage, info: RunInfo, s: int, k: int, sc: Sidecar, problems: Problems):
     """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
     rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.safetensors"
     try:
@@ -275,17 +275,17 @@ def check_shard(storage: Storage, info: dict[str, Any], s: int, k: int, sc: Side
     if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
         bad.append(f"offsets must run non-decreasing from 0 to {n_tokens} over {n + 1} entries "
                    f"(got {len(offsets)} entries, {offsets[:1].tolist()}..{offsets[-1:].tolist()})")
-    want_dtype = np.dtype(fmt.DTYPES[info["dtype"]])
-    for name, width in info["tensors"].items():
+    want_dtype = np.dtype(fmt.DTYPES[info.dtype])
+    for name, width in info.tensors.items():
         if name not in t:
             bad.append(f"no {name} tensor")
         elif t[name].shape != (n_tokens, width) or t[name].dtype != want_dtype:
             bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, run.json says "
-                       f"{info['dtype']}[{n_tokens}, {width}]")
+                       f"{info.dtype}[{n_tokens}, {width}]")
         stats = sc.stats.get(name)
         if not isinstance(stats, dict) or stats.get("count") != n_tokens or len(stats.get("mean") or []) != width:
             bad.append(f"sidecar stats for {name} do not cover {n_tokens} tokens x {width}")
-    extra = sorted(set(t) - set(info["tensors"]) - set(SHARD_ARRAYS))
+    extra = sorted(set(t) - set(info.tensors) - set(SHARD_ARRAYS))
     if extra:
         bad.append(f"tensors not in run.json: {', '.join(extra)}")
     for message in bad:
@@ -295,10 +295,10 @@ def check_shard(storage: Storage, info: dict[str, Any], s: int, k: int, sc: Side
     return t["sample_ids"], t["variants"]
 
 
-def check_stream(info: dict[str, Any], s: int, shards: list[_Shard], problems: Problems, report: Report) -> None:
+def check_stream(info: RunInfo, s: int, shards: list[_Shard], problems: Problems, report: Report) -> None:
     """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage."""
     sdir = fmt.stream_dir(s)
-    data = info["data"]
+    data = info.data
     num_streams = data["num_streams"]
     count = None if data.get("counts") is None else data["counts"][s]
     if not shards:
@@ -477,10 +477,10 @@ def _split_run(storages: list[Storage]) -> tuple[list[int], list[set[int]]] | No
     if len(storages) < 2 or not all(st.exists("run.json") for st in storages):
         return None
     try:
-        infos = [st.read_json("run.json") for st in storages]
+        infos = [RunInfo.from_bytes(st.read_bytes("run.json")) for st in storages]
     except (ValueError, UserError):
         return None
-    if not all(isinstance(i, dict) for i in infos) or len({i.get("config_sha256") for i in infos}) != 1:
+    if len({i.config_sha256 for i in infos}) != 1:
         return None
     streams = covered_streams(infos[0])
     held = [set(list_stream_dirs(st)) for st in storages]
