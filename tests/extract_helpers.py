@@ -55,6 +55,22 @@ def write_text_dataset(path: Path, n: int = 300, seed: int = 1234) -> Path:
     return path
 
 
+def text_streams(root: Path, num_streams: int, n: int, devices: int = 2) -> tuple[Path, dict[str, str], Path]:
+    """(the demo checkpoint, the env for harvest subprocesses, a streams directory) for `n` text records
+    of write_text_dataset split into `num_streams` streams, all under `root`."""
+    from harvest.demo import demo_checkpoint
+
+    cache = root / "cache"
+    checkpoint = demo_checkpoint(cache)
+    env = harvest_env(cache, devices=devices)
+    source = write_text_dataset(root / "data.jsonl", n=n)
+    streams = root / "streams"
+    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(num_streams),
+                       "--out", str(streams), env=env)
+    assert made.returncode == 0, made.stderr
+    return checkpoint, env, streams
+
+
 def sidecars(out: Path) -> list[Path]:
     return sorted(out.glob("stream_*/shard_*.json"))
 

@@ -110,6 +110,14 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@pytest.fixture(params=["local", "gs", "s3"])
+def root(request, tmp_path) -> str:
+    """A fresh run root on each backend: a local directory, a GCS emulator bucket, a moto S3 bucket."""
+    if request.param == "local":
+        return str(tmp_path / "out")
+    return request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[request.param])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -16,7 +16,7 @@ import time
 import types
 
 import pytest
-from extract_helpers import harvest_cmd, harvest_env, run_harvest, write_text_dataset
+from extract_helpers import harvest_cmd, harvest_env, run_harvest, text_streams
 
 from harvest.store.fs import Storage
 
@@ -30,16 +30,9 @@ SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--l
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """3 streams of a 300-record dataset and a reference extraction, never interrupted."""
-    from harvest.demo import demo_checkpoint
-
     root = tmp_path_factory.mktemp("fencing")
+    checkpoint, env, streams = text_streams(root, 3, n=300)
     cache = root / "cache"
-    checkpoint = demo_checkpoint(cache)
-    env = harvest_env(cache, devices=2)
-    source = write_text_dataset(root / "data.jsonl", n=300)
-    streams = root / "streams"
-    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", "3", "--out", str(streams), env=env)
-    assert made.returncode == 0, made.stderr
 
     def args(out: str, *extra: str) -> list[str]:
         return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", out, *SETTINGS, *extra]

@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from extract_helpers import harvest_env, run_harvest, write_text_dataset
+from extract_helpers import harvest_env, run_harvest, text_streams
 from fleet_helpers import RecordedJobs, record, write_fleet
 from rich.console import Console
 
@@ -39,17 +39,9 @@ EXTRACT = {"points": "resid_post:1-3,mlp_out:2", "max_seq_len": 128, "long": "ch
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """Streams of a 160-record dataset, the demo checkpoint, and an uninterrupted local run of all streams."""
-    from harvest.demo import demo_checkpoint
-
     root = tmp_path_factory.mktemp("fleet-e2e")
+    checkpoint, env, streams = text_streams(root, NUM_STREAMS, n=160)
     cache = root / "cache"
-    checkpoint = demo_checkpoint(cache)
-    env = harvest_env(cache, devices=2)
-    source = write_text_dataset(root / "data.jsonl", n=160)
-    streams = root / "streams"
-    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(NUM_STREAMS),
-                       "--out", str(streams), env=env)
-    assert made.returncode == 0, made.stderr
     reference = root / "reference"
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRACT.items()]
     done = run_harvest("extract", "--model", str(checkpoint), "--data", str(streams), "--out", str(reference),

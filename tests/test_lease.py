@@ -20,13 +20,6 @@ from harvest.store.records import LeaseRecord, now_iso
 LONG_AGO = "2020-01-01T00:00:00+00:00"
 
 
-@pytest.fixture(params=["local", "gs", "s3"])
-def root(request, tmp_path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "out")
-    return request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[request.param])
-
-
 def _rel(stream: int) -> str:
     return f"stream_{stream:05d}/{LEASE}"
 

@@ -22,15 +22,14 @@ from extract_helpers import (
     count_sidecars,
     data_files,
     harvest_cmd,
-    harvest_env,
     is_complete,
     json_diff,
     kill_at_random,
     run_harvest,
     sidecars,
     snapshot,
+    text_streams,
     wait_for_sidecars,
-    write_text_dataset,
 )
 
 pytestmark = pytest.mark.slow
@@ -44,17 +43,8 @@ SETTINGS = ("--points", POINTS, "--max-seq-len", "128", "--long", "chunk", "--ba
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Streams of a 300-record dataset and a reference extraction into `a`, never interrupted."""
-    from harvest.demo import demo_checkpoint
-
     root = tmp_path_factory.mktemp("resume")
-    cache = root / "cache"
-    checkpoint = demo_checkpoint(cache)
-    env = harvest_env(cache, devices=2)
-    source = write_text_dataset(root / "data.jsonl", n=300)
-    streams = root / "streams"
-    made = run_harvest("streams", "create", "--data", str(source), "--num-streams", str(NUM_STREAMS),
-                       "--out", str(streams), env=env)
-    assert made.returncode == 0, made.stderr
+    checkpoint, env, streams = text_streams(root, NUM_STREAMS, n=300)
 
     def extract_args(out: Path, *extra: str) -> list[str]:
         return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", str(out), *SETTINGS, *extra]

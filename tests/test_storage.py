@@ -20,13 +20,6 @@ pytest_plugins = ["storage_servers"]  # harmless once tests/conftest.py loads it
 LOGGER = "harvest.store.fs"
 
 
-@pytest.fixture(params=["local", "gs", "s3"])
-def root(request, tmp_path) -> str:
-    if request.param == "local":
-        return str(tmp_path / "out")
-    return request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[request.param])
-
-
 @pytest.fixture(params=["gs", "s3"])
 def flaky(request):
     """(URL through a FlakyProxy, the proxy)."""

@@ -128,15 +128,20 @@ def parse_size(text: str | int, flag: str) -> int:
     return size
 
 
+def read_yaml(path: str | Path, label: str) -> Any:
+    """The parsed YAML file (safe_load: no objects built from tags), or a one-line error naming `label`."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{label}: no such file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{label}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
 def load_yaml(path: str | None) -> dict[str, Any]:
     if not path:
         return {}
-    try:
-        loaded = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    loaded = read_yaml(path, f"--config {path}")
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from harvest.config import read_yaml
 from harvest.errors import UserError
 
 _NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?")  # job names and worker ids derive from names
@@ -48,14 +47,7 @@ class FleetSpec:
 
 def load_fleet(path: str | Path) -> FleetSpec:
     """Read and check fleet.yaml (its shape; the plan checks streams, meshes and settings)."""
-    where = str(path)
-    try:
-        loaded = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise FleetError(f"{where}: no such file") from None
-    except yaml.YAMLError as e:
-        raise FleetError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
-    return parse_fleet(loaded, where)
+    return parse_fleet(read_yaml(path, str(path)), str(path))
 
 
 def parse_fleet(raw: Any, where: str) -> FleetSpec:
