@@ -24,14 +24,14 @@ pytestmark = pytest.mark.slow
 
 TTL = 4
 SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
-            "--shard-size", "64KB")
+            "--shard-size", "160KB")
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """3 streams of a 300-record dataset and a reference extraction, never interrupted."""
+    """3 streams of a 240-record dataset and a reference extraction, never interrupted."""
     root = tmp_path_factory.mktemp("fencing")
-    checkpoint, env, streams = text_streams(root, 3, n=300)
+    checkpoint, env, streams = text_streams(root, 3, n=240)
     cache = root / "cache"
 
     def args(out: str, *extra: str) -> list[str]:
