@@ -41,6 +41,42 @@ EXTRACT_HELP = {
 }
 
 
+TRAIN_HELP = {
+    "model": "HF checkpoint directory or hub id to start from (or --shape)",
+    "shape": "start from scratch: a config.json's fields as a JSON object or JSON file (model_type, sizes, ...)",
+    "tokenizer": "tokenizer checkpoint directory or hub id (default: --model's)",
+    "data": EXTRACT_HELP["data"],
+    "format": EXTRACT_HELP["format"],
+    "text_field": EXTRACT_HELP["text_field"],
+    "long": "samples longer than --seq-len: chunk | truncate | skip (default: chunk)",
+    "out": "the run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://",
+    "seq_len": "tokens per packed row (default: 2048)",
+    "batch_size": "global packed rows per optimizer step (default: 8)",
+    "steps": "train until this many steps (default: 1000)",
+    "lr": "peak learning rate (default: 3e-4)",
+    "warmup": "linear warmup steps (default: 100)",
+    "schedule": "after warmup: cosine | linear | constant (default: cosine)",
+    "min_lr_ratio": "final lr as a fraction of --lr (default: 0.1)",
+    "weight_decay": "AdamW decoupled weight decay on matrices (default: 0.1)",
+    "b1": "AdamW beta1 (default: 0.9)",
+    "b2": "AdamW beta2 (default: 0.95)",
+    "grad_clip": "clip gradients to this global norm, 0 = off (default: 1.0)",
+    "grad_accum": "micro-batches per step, gradients accumulated (default: 1)",
+    "mesh": "1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on fsdp)",
+    "param_dtype": "master params and optimizer state: float32 | bfloat16 (default: float32)",
+    "compute_dtype": EXTRACT_HELP["compute_dtype"],
+    "remat": "recompute in the backward pass: none | layer | dots (default: layer)",
+    "checkpoint_every": "save a checkpoint every N steps (default: 100)",
+    "keep": "checkpoints to keep (default: 3)",
+    "seed": "seed of a from-scratch init (default: 0)",
+    "log_every": "metrics every N steps (default: 10)",
+    "coordinator": EXTRACT_HELP["coordinator"],
+    "num_processes": EXTRACT_HELP["num_processes"],
+    "process_id": EXTRACT_HELP["process_id"],
+    "peer_timeout": EXTRACT_HELP["peer_timeout"],
+}
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, str]) -> None:
     """One flag per config field; defaults are None so YAML values show through unless a flag is given."""
     parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
@@ -50,7 +86,24 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, helps: dict[str, str
         if kind == "bool":
             parser.add_argument(flag, action="store_true", default=None, help=helps[field.name])
         else:
-            parser.add_argument(flag, type=int if kind == "int" else str, default=None, help=helps[field.name])
+            parser.add_argument(flag, type=_FLAG_TYPES.get(kind, str), default=None, help=helps[field.name])
+
+
+def _json_object(text: str) -> dict:
+    """A dict-valued flag: a JSON object inline, or the path of a JSON file holding one (e.g. a config.json)."""
+    import json
+    from pathlib import Path
+
+    try:
+        value = json.loads(Path(text).read_text() if not text.lstrip().startswith("{") else text)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
 
 
 def _config_from(args: argparse.Namespace, cls):
@@ -65,6 +118,30 @@ def _extract(args: argparse.Namespace) -> int:
 
     summary = run_extract(_config_from(args, ExtractConfig))
     _print_summary(summary)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from harvest.errors import UserError
+
+    if args.action == "export":
+        from harvest.train.export import export
+
+        if not args.run_url or not args.out:
+            raise UserError("usage: harvest train export RUN --out HF_DIR [--step N]")
+        done = export(args.run_url, args.out, args.step)
+        print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
+              f"{len(done['files'])} file(s), tokenizer files: {', '.join(done['tokenizer_files']) or 'none'}")
+        return 0
+    if args.run_url:
+        raise UserError(f"harvest train: unexpected argument {args.run_url!r} (did you mean `harvest train export`?)")
+    from harvest.train.config import TrainConfig
+    from harvest.train.job import run_train
+
+    summary = run_train(_config_from(args, TrainConfig))
+    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
+    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
+          f"{summary['seconds']}s")
     return 0
 
 
@@ -155,6 +232,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(extract, ExtractConfig, EXTRACT_HELP)
     extract.set_defaults(run=_extract)
+
+    from harvest.train.config import TrainConfig
+
+    train = commands.add_parser(
+        "train", help="train (or resume) a decoder; `train export RUN --out DIR` writes a HF checkpoint",
+        description="Train a decoder (from a HF checkpoint or from scratch) on packed data, sharded over the "
+        "mesh, with orbax checkpoints in --out; rerunning the same command resumes. `harvest train export RUN "
+        "--out HF_DIR [--step N]` writes a checkpoint as a HF model.",
+    )
+    train.add_argument("action", nargs="?", choices=["export"], help="export: write a checkpoint as a HF model")
+    train.add_argument("run_url", nargs="?", metavar="RUN", help="export: the training run's URL")
+    train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
+    _add_config_flags(train, TrainConfig, TRAIN_HELP)
+    train.set_defaults(run=_train)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")
