@@ -26,6 +26,23 @@ TINY_SHAPE = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "inte
               "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compile_cache(tmp_path_factory):
+    """One persistent XLA cache for this module's runs, in-process and subprocesses alike: the same train
+    step, compiled once (~30 s on a busy 2-core machine), is reused by every run of the same shapes."""
+    import os
+
+    import jax
+
+    cache = str(tmp_path_factory.mktemp("xla-cache"))
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", cache)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+    yield
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR")
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The demo's byte-level tokenizer (259 tokens), with its tiny checkpoint."""

@@ -19,7 +19,8 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep, create=not read_only,
                                                enable_async_checkpointing=not read_only, read_only=read_only)
         self.url = url
-        self._manager = ocp.CheckpointManager(url, options=options, item_names=("state", "data"))
+        self._manager = ocp.CheckpointManager(url, options=options, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(), "data": ocp.JsonCheckpointHandler()})
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -29,22 +30,21 @@ class Checkpoints:
 
     def save(self, step: int, state: dict, data: dict[str, Any], *, force: bool = False) -> bool:
         """Start saving (when the interval says so, or `force`); returns whether a save began."""
-        return self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        return self._manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
                                                                  data=ocp.args.JsonSave(data)), force=force)
 
     def restore(self, step: int, abstract_state: dict) -> tuple[dict, dict[str, Any]]:
         """(state placed as `abstract_state`'s shardings say, data position) of `step`."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=_restore(abstract_state),
+                                                                        data=ocp.args.JsonRestore()))
         return restored["state"], restored["data"]
 
     def restore_params(self, step: int) -> dict:
         """Only the params of `step`, onto this process's first device (export and tests; no optimizer state)."""
-        saved = self._manager.item_metadata(step)["state"]["params"]
+        saved = self._manager.item_metadata(step)["state"].tree["params"]
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)}
-        restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=_restore(item, partial=True)))
         return restored["state"]["params"]
 
     def wait(self) -> None:
@@ -52,6 +52,11 @@ class Checkpoints:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _restore(item: Any, partial: bool = False) -> ocp.args.PyTreeRestore:
+    return ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                  partial_restore=partial)
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

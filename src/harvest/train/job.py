@@ -127,6 +127,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
                 save(step, force=True)
             if preempted:
                 break
+        if checkpoints.latest_step() != step:  # e.g. --steps 0: the starting point is a checkpoint too
+            save(step, force=True)
         checkpoints.wait()
         checkpoints.close()
         distributed.barrier("harvest-train-done")
