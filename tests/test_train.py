@@ -222,14 +222,15 @@ def checkpoint_steps(out: Path) -> list[int]:
 @pytest.mark.parametrize("remat", ["layer", "none"])
 def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(remat, text_data, tokenizer_dir, tmp_path):
     """N steps; then toward 2N, SIGKILL at a random moment; (remat none: then SIGTERM, which saves and exits 0);
-    then the same command to the end. The params equal those of one run straight to 2N."""
+    then the same command to the end. The params equal those of one run straight to 2N. (A constant lr after
+    warmup: a cosine or linear schedule depends on --steps, so a run to N would follow another one.)"""
     env = harvest_env(tmp_path / "cache", devices=2)
     rng = random.Random(f"train-kill-{remat}")
 
     def args(out: Path, steps: int) -> list[str]:
         return ["train", "--shape", json.dumps(TINY_SHAPE), "--tokenizer", str(tokenizer_dir), "--data",
                 str(text_data), "--out", str(out), "--seq-len", "64", "--batch-size", "4", "--steps", str(steps),
-                "--lr", "0.003", "--warmup", "2", "--checkpoint-every", "2", "--log-every", "1", "--remat", remat]
+                "--lr", "0.003", "--warmup", "2", "--schedule", "constant", "--checkpoint-every", "2", "--log-every", "1", "--remat", remat]
 
     reference, out = tmp_path / "reference", tmp_path / "run"
     done = run_harvest(*args(reference, 2 * STEPS), env=env)
@@ -369,3 +370,26 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
     assert done.stderr.strip().splitlines() == [
         "harvest: error: --mesh data=4,model=4,fsdp=2: data=4 x fsdp=2 x model=4 = 32 devices, but there are 16"]
     assert not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="orbax-checkpoint 0.12.8 turns the s3:// checkpoint directory into "
+                   "'s3:/bucket/...' on its tensorstore path and refuses it: 'Checkpoint path should be absolute'")
+def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, tmp_path):
+    """A run in a bucket (moto's S3 server): orbax writes there, a rerun finds the checkpoint, export reads it.
+    (Not GCS here: tensorstore, which writes orbax's arrays, ignores STORAGE_EMULATOR_HOST and would go to
+    the real GCS; its own TENSORSTORE_GCS_HTTP_URL is not tried yet.)"""
+    from safetensors.numpy import load_file
+
+    from harvest.train.export import export
+
+    url = s3_url
+    ckpt = ref.build_checkpoint("llama", tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
+    settings = dict(model=str(ckpt), tokenizer=str(tokenizer_dir), data=str(text_data), out=url, seq_len=64,
+                    batch_size=8, steps=0)
+    assert train(**settings)["step"] == 0
+    assert train(**settings)["step"] == 0  # resumed from the bucket: nothing left to do
+    export(url, tmp_path / "export")
+    given, exported = load_file(str(ckpt / "model.safetensors")), load_file(str(tmp_path / "export/model.safetensors"))
+    assert set(exported) == set(given)
+    for name, value in given.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
