@@ -18,7 +18,6 @@ import time
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from harvest.model import default_compute_dtype

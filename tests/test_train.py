@@ -4,6 +4,7 @@ in transformers with harvest's logits, bad input is one line with nothing writte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import signal
@@ -393,3 +394,19 @@ def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, t
     assert set(exported) == set(given)
     for name, value in given.items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
+    from harvest.cli import _config_from, build_parser
+    from harvest.train.config import TrainConfig
+
+    yaml_file = tmp_path / "train.yaml"
+    yaml_file.write_text("shape: {model_type: llama, hidden_size: 8}\ntokenizer: tok\ndata: d\nout: o\n"
+                         "lr: 3e-4\ngrad_clip: 1\nsteps: 100\nremat: dots\n")
+    args = build_parser().parse_args(["train", "--config", str(yaml_file), "--steps", "5", "--b2", "0.99",
+                                      "--shape", '{"model_type": "qwen2", "hidden_size": 16}'])
+    cfg = _config_from(args, TrainConfig)
+    assert (cfg.lr, cfg.grad_clip, cfg.steps, cfg.b2, cfg.remat) == (3e-4, 1.0, 5, 0.99, "dots")
+    assert cfg.shape == {"model_type": "qwen2", "hidden_size": 16}
+    flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}
+    assert {f.name for f in dataclasses.fields(TrainConfig)} <= flags

@@ -24,7 +24,7 @@ from harvest.errors import UserError
 from harvest.model import default_compute_dtype
 from harvest.model.config import ModelConfig
 from harvest.model.init import init_params
-from harvest.model.weights import load_params, param_specs, resolve_checkpoint
+from harvest.model.weights import load_params, param_specs, resolve_checkpoint, tree_set
 from harvest.runtime import distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store.fs import Storage
@@ -142,8 +142,6 @@ def _num_params(model: ModelConfig) -> int:
 
 
 def _params_shape(model: ModelConfig, dtype: str) -> dict:
-    from harvest.model.weights import tree_set
-
     tree: dict = {}
     for path, spec in param_specs(model, head=True).items():
         shape = ((model.num_layers,) if spec.layered else ()) + spec.shape
