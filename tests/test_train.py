@@ -375,7 +375,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
 
 @pytest.mark.xfail(strict=True, reason="orbax-checkpoint 0.12.8 turns the s3:// checkpoint directory into "
                    "'s3:/bucket/...' on its tensorstore path and refuses it: 'Checkpoint path should be absolute'")
-def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, tmp_path):
+def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, tmp_path, monkeypatch):
     """A run in a bucket (moto's S3 server): orbax writes there, a rerun finds the checkpoint, export reads it.
     (Not GCS here: tensorstore, which writes orbax's arrays, ignores STORAGE_EMULATOR_HOST and would go to
     the real GCS; its own TENSORSTORE_GCS_HTTP_URL is not tried yet.)"""
@@ -383,6 +383,7 @@ def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, t
 
     from harvest.train.export import export
 
+    monkeypatch.chdir(tmp_path)  # where orbax's mangled 's3:/...' path lands today, as a local directory
     url = s3_url
     ckpt = ref.build_checkpoint("llama", tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
     settings = dict(model=str(ckpt), tokenizer=str(tokenizer_dir), data=str(text_data), out=url, seq_len=64,
