@@ -22,8 +22,25 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
         if kind == "bool":
             parser.add_argument(flag(field.name), action="store_true", default=None, help=help_line(field))
         else:
-            parser.add_argument(flag(field.name), type=int if kind == "int" else str, default=None,
+            parser.add_argument(flag(field.name), type=_FLAG_TYPES.get(kind, str), default=None,
                                 help=help_line(field))
+
+
+def _json_object(text: str) -> dict:
+    """A dict-valued flag: a JSON object inline, or the path of a JSON file holding one (e.g. a config.json)."""
+    import json
+    from pathlib import Path
+
+    try:
+        value = json.loads(Path(text).read_text() if not text.lstrip().startswith("{") else text)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
 
 
 def _config_from(args: argparse.Namespace, cls):
@@ -38,6 +55,30 @@ def _extract(args: argparse.Namespace) -> int:
 
     summary = run_extract(_config_from(args, ExtractConfig))
     _print_summary(summary)
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from harvest.errors import UserError
+
+    if args.action == "export":
+        from harvest.train.export import export
+
+        if not args.run_url or not args.out:
+            raise UserError("usage: harvest train export RUN --out HF_DIR [--step N]")
+        done = export(args.run_url, args.out, args.step)
+        print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
+              f"{len(done['files'])} file(s), tokenizer files: {', '.join(done['tokenizer_files']) or 'none'}")
+        return 0
+    if args.run_url:
+        raise UserError(f"harvest train: unexpected argument {args.run_url!r} (did you mean `harvest train export`?)")
+    from harvest.train.config import TrainConfig
+    from harvest.train.job import run_train
+
+    summary = run_train(_config_from(args, TrainConfig))
+    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
+    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
+          f"{summary['seconds']}s")
     return 0
 
 
@@ -153,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_flags(extract, ExtractConfig)
     extract.set_defaults(run=_extract)
+
+    from harvest.train.config import TrainConfig
+
+    train = commands.add_parser(
+        "train", help="train (or resume) a decoder; `train export RUN --out DIR` writes a HF checkpoint",
+        description="Train a decoder (from a HF checkpoint or from scratch) on packed data, sharded over the "
+        "mesh, with orbax checkpoints in --out; rerunning the same command resumes. `harvest train export RUN "
+        "--out HF_DIR [--step N]` writes a checkpoint as a HF model.",
+    )
+    train.add_argument("action", nargs="?", choices=["export"], help="export: write a checkpoint as a HF model")
+    train.add_argument("run_url", nargs="?", metavar="RUN", help="export: the training run's URL")
+    train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
+    _add_config_flags(train, TrainConfig)
+    train.set_defaults(run=_train)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")

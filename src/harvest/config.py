@@ -165,7 +165,7 @@ def build(cls: type, yaml_path: str | None, flags: dict[str, Any]):
     return cls(**settings).validate()
 
 
-_TYPES = {"int": int, "str": str, "bool": bool}
+_TYPES = {"int": int, "str": str, "bool": bool, "float": float, "dict": dict}
 
 
 def _coerce(name: str, value: Any, annotation: str, source: str | None) -> Any:
@@ -175,6 +175,11 @@ def _coerce(name: str, value: Any, annotation: str, source: str | None) -> Any:
         return value
     if kind == "str" and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # e.g. `streams: 3` or `shard_size: 1000000`
+    if kind == "float" and not isinstance(value, bool) and isinstance(value, (int, str)):
+        try:  # `grad_clip: 1`, and `lr: 3e-4`, which YAML 1.1 reads as a string (no dot)
+            return float(value)
+        except ValueError:
+            pass
     if not isinstance(value, _TYPES[kind]) or (kind == "int" and isinstance(value, bool)):
         raise ConfigError(f"{'--config ' + source if source else 'setting'}: {name} must be {kind}, got {value!r}")
     return value

@@ -117,6 +117,28 @@ def _width(cfg: ModelConfig, point: str) -> int:
     return cfg.intermediate_size if point == "mlp_hidden" else cfg.hidden_size
 
 
+def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype):
+    """Rotary cos/sin from each token's position in its segment, and `mask_of(layer)`: causal, within the
+    segment, and inside the layer's sliding window if it has one."""
+    seq = segment_ids.shape[-1]
+    positions = segment_positions(segment_ids)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    idx = jnp.arange(seq)
+    causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
+    distance = idx[:, None] - idx[None, :]
+    # Per layer: window in tokens, or seq (never limiting) for full attention.
+    windows = jnp.asarray([w or seq for w in cfg.sliding_windows[:n_run]], jnp.int32)
+    return cos, sin, lambda i: (causal & (distance < windows[i]))[:, None, :, :]
+
+
+def _embed(table: jax.Array, tokens: jax.Array, constrain) -> jax.Array:
+    # Gather the table's fsdp-split dim first: a lookup from a table split on both dims is replicated.
+    table = constrain(table, ("vocab", None))
+    return constrain(table[tokens], ("batch", "seq", None))
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -138,16 +160,7 @@ def forward(
         raise ValueError(f"capture plan needs {n_run} layers; params hold {depth}")
     dtype = params["embed"].dtype
     batch, seq = tokens.shape
-
-    positions = segment_positions(segment_ids)
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    idx = jnp.arange(seq)
-    causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
-    distance = idx[:, None] - idx[None, :]
-    # Per layer: window in tokens, or seq (never limiting) for full attention.
-    windows = jnp.asarray([w or seq for w in cfg.sliding_windows[:n_run]], jnp.int32)
+    cos, sin, mask_of = _attention_inputs(cfg, segment_ids, n_run, dtype)
 
     # Slot of each layer in each point's buffer; n (the spare slot) where that layer is not captured.
     slots = {}
@@ -160,15 +173,12 @@ def forward(
             jnp.zeros((len(layers) + 1, batch, seq, _width(cfg, point)), dtype), ("capture", "batch", "seq", None)
         )
 
-    # Gather the table's fsdp-split dim first: a lookup from a table split on both dims is replicated.
-    table = constrain(params["embed"], ("vocab", None))
-    h = constrain(table[tokens], ("batch", "seq", None))
+    h = _embed(params["embed"], tokens, constrain)
 
     def step(carry, i):
         h, buffers = carry
         lp = jax.tree.map(lambda a: a[i], stacked)
-        mask = (causal & (distance < windows[i]))[:, None, :, :]
-        out = _layer(cfg, lp, h, cos, sin, mask)
+        out = _layer(cfg, lp, h, cos, sin, mask_of(i))
         buffers = {
             p: jax.lax.dynamic_update_slice_in_dim(buf, out[p][None].astype(dtype), slots[p][i], axis=0)
             for p, buf in buffers.items()
@@ -183,3 +193,53 @@ def forward(
 def captures_by_key(plan: CapturePlan, out: dict[str, jax.Array]) -> dict[tuple[str, int], jax.Array]:
     """{(point, layer): [b, s, w]} view of forward's output."""
     return {(p, layer): out[p][j] for p, layers in plan.points for j, layer in enumerate(layers)}
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "layer": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input; recompute the rest
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,  # keep weight matmuls, redo the rest
+}
+
+
+def decode(
+    params: Params,
+    tokens: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    cfg: ModelConfig,
+    compute_dtype=None,
+    remat: str = "none",
+    constrain=None,
+) -> jax.Array:
+    """Every layer, then the final norm: hidden states [batch, seq, hidden] (what the LM head reads).
+
+    Training's forward: params are cast to `compute_dtype` here (fp32 masters stay as they are), and each
+    layer is rematerialized in the backward pass by `remat` (a REMAT_POLICIES name).
+    """
+    constrain = constrain or (lambda x, axes: x)
+    dtype = jnp.dtype(compute_dtype or params["embed"].dtype)
+    params = jax.tree.map(lambda a: a.astype(dtype), params)
+    cos, sin, mask_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype)
+
+    def step(h, xs):
+        lp, i = xs
+        return constrain(_layer(cfg, lp, h, cos, sin, mask_of(i))["resid_post"], ("batch", "seq", None)), None
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])
+    h, _ = jax.lax.scan(step, _embed(params["embed"], tokens, constrain),
+                        (params["layers"], jnp.arange(cfg.num_layers)))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
+    """The [hidden, vocab] output projection: its own matrix, or the embedding's transpose when tied."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
+def logits(params: Params, tokens: jax.Array, segment_ids: jax.Array, *, cfg: ModelConfig, compute_dtype=None,
+           remat: str = "none", constrain=None) -> jax.Array:
+    """[batch, seq, vocab] next-token logits, in the compute dtype."""
+    h = decode(params, tokens, segment_ids, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain)
+    return jnp.einsum("bsd,dv->bsv", h, lm_head(params, cfg).astype(h.dtype))

@@ -182,13 +182,35 @@ def load_params(
         else:
             axes = ((None,) if spec.layered else ()) + spec.axes
             sharding = logical_sharding(shape, axes, mesh)
-        array = jax.make_array_from_callback(shape, sharding, _reader(ckpt, spec, prefix, depth, dtype))
-        node = params
-        *parents, leaf = path.split("/")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = array
+        tree_set(params, path, jax.make_array_from_callback(shape, sharding, _reader(ckpt, spec, prefix, depth, dtype)))
     return params
+
+
+def tree_set(tree: dict, path: str, value: Any) -> None:
+    """tree['layers']['q_proj'] = value for path 'layers/q_proj', making the inner dicts."""
+    *parents, leaf = path.split("/")
+    for key in parents:
+        tree = tree.setdefault(key, {})
+    tree[leaf] = value
+
+
+def tree_get(tree: dict, path: str) -> Any:
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
+
+
+def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The inverse of load_params: host params (with the head) as HF tensors by name, in HF's layout."""
+    tensors = {}
+    for path, spec in param_specs(cfg, head=True).items():
+        value = np.asarray(tree_get(params, path))
+        blocks = value if spec.layered else [value]
+        grouped = tuple(math.prod(spec.shape[d] for d in g) for g in spec.groups)
+        for name, block in zip(_names(spec, "model.", range(len(blocks))), blocks):
+            block = block.reshape(grouped)
+            tensors[name] = np.ascontiguousarray(block.T if spec.transpose else block)
+    return tensors
 
 
 def _prefix(ckpt: _Checkpoint) -> str:

@@ -7,6 +7,7 @@ shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.js
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -160,10 +161,34 @@ def status_rows(url: str | Storage | RunScanner, now: datetime | None = None) ->
     return [_row(scanner.info, scanned, now) for scanned in scanner.scan()]
 
 
+def training_status(url: str | Storage, now: datetime | None = None) -> Table | None:
+    """A `harvest train` run (run.json of kind "train"): its newest metrics and checkpoints; None otherwise."""
+    storage = _storage(url)
+    info = storage.read_json("run.json") if storage.exists("run.json") else {}
+    if not isinstance(info, dict) or info.get("kind") != "train":
+        return None
+    lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
+    last = json.loads(lines[-1]) if lines else {}
+    steps = sorted(int(n) for n in storage.listdir("checkpoints") if n.isdigit()) if storage.exists("checkpoints") else []
+    config = info.get("config") or {}
+    table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
+                        f"params) on {info.get('mesh', '?')}", title_justify="left")
+    for name in ("step", "loss", "grad norm", "lr", "tokens/s", "MFU", "checkpoints", "updated"):
+        table.add_column(name, justify="right")
+    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
+    table.add_row(f"{last.get('step', 0)}/{config.get('steps', '?')}", f"{last['loss']:.4f}" if last else "-",
+                  f"{last['grad_norm']:.3g}" if last else "-", f"{last['lr']:.3g}" if last else "-",
+                  human_count(last["tokens_per_s"]) if last else "-", f"{last['mfu']:.1%}" if last else "-",
+                  ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
+    return table
+
+
 def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None,
                  now: datetime | None = None) -> Table:
     """One row per stream the run covers, then a total row. With max_rows, streams not done come first
-    and the rest fold into one line."""
+    and the rest fold into one line. A training run gets its own table (training_status)."""
+    if not isinstance(url, RunScanner) and (training := training_status(url, now)) is not None:
+        return training
     scanner = url if isinstance(url, RunScanner) else RunScanner(url)
     rows = status_rows(scanner, now)
     done = sum(r["state"] == "done" for r in rows)

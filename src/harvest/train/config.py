@@ -1,0 +1,83 @@
+"""TrainConfig: every setting of `harvest train`, from a YAML file and flags (flags win), validated with
+one-line errors. The same dataclass machinery as ExtractConfig (harvest.config.build)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from harvest.config import ConfigError, ExtractConfig, check_settings, setting
+
+_EXTRACT = {f.name: f.metadata for f in dataclasses.fields(ExtractConfig)}
+
+
+def _like_extract(name: str, default: Any, help: str | None = None):
+    """The setting `harvest extract` has under the same name: same help and choices."""
+    meta = _EXTRACT[name]
+    return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://")
+    out: str = setting("the run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
+    model: str | None = setting("HF checkpoint directory or hub id to start from (or --shape)", None)
+    shape: dict | None = setting("start from scratch: a config.json's fields as a JSON object or JSON file "
+                                 "(model_type, sizes, ...)", None)
+    tokenizer: str | None = setting("tokenizer checkpoint directory or hub id (default: --model's)", None)
+    format: str = _like_extract("format", "text")
+    text_field: str = _like_extract("text_field", "text")
+    long: str = _like_extract("long", "chunk", "samples longer than --seq-len, always counted")
+    seq_len: int = setting("tokens per packed row", 2048, minimum=2)
+    batch_size: int = setting("global packed rows per optimizer step", 8, minimum=1)
+    steps: int = setting("train until this many steps", 1000, minimum=0)
+    lr: float = setting("peak learning rate", 3e-4, minimum=0)
+    warmup: int = setting("linear warmup steps", 100, minimum=0)
+    schedule: str = setting("learning rate after warmup", "cosine", choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = setting("final lr as a fraction of --lr (0..1)", 0.1, minimum=0)
+    weight_decay: float = setting("AdamW decoupled weight decay on matrices", 0.1, minimum=0)
+    b1: float = setting("AdamW beta1 (0..1)", 0.9, minimum=0)
+    b2: float = setting("AdamW beta2 (0..1)", 0.95, minimum=0)
+    grad_clip: float = setting("clip gradients to this global norm, 0 = off", 1.0, minimum=0)
+    grad_accum: int = setting("micro-batches per step, gradients accumulated", 1, minimum=1)
+    mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on fsdp)", None)
+    param_dtype: str = setting("master params and optimizer state", "float32", choices=("float32", "bfloat16"))
+    compute_dtype: str | None = _like_extract("compute_dtype", None)
+    remat: str = setting("recompute in the backward pass", "layer", choices=("none", "layer", "dots"))
+    checkpoint_every: int = setting("save a checkpoint every N steps", 100, minimum=1)
+    keep: int = setting("checkpoints to keep", 3, minimum=1)
+    seed: int = setting("seed of a from-scratch init", 0, minimum=0)
+    log_every: int = setting("metrics every N steps", 10, minimum=1)
+    coordinator: str | None = _like_extract("coordinator", None)
+    num_processes: int | None = _like_extract("num_processes", None)
+    process_id: int | None = _like_extract("process_id", None)
+    peer_timeout: int = _like_extract("peer_timeout", 60)
+
+    # Settings a resumed run must keep: they decide which data and which model the checkpoint holds.
+    RUN_FIELDS = ("model", "shape", "tokenizer", "data", "format", "text_field", "long", "seq_len", "batch_size",
+                  "seed", "param_dtype")
+    # Settings of one process only: never compared across processes.
+    LOCAL_FIELDS = ("process_id",)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def run_settings(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.RUN_FIELDS}
+
+    def shared_settings(self) -> dict[str, Any]:
+        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
+
+    def validate(self) -> TrainConfig:
+        if (self.model is None) == (self.shape is None):
+            raise ConfigError("give exactly one of --model (a HF checkpoint to start from) and --shape "
+                              "(a config.json's fields, to start from scratch)")
+        if self.shape is not None and self.tokenizer is None:
+            raise ConfigError("--shape starts from scratch: also give --tokenizer (a checkpoint dir or hub id)")
+        check_settings(self)
+        for name, value in (("--min-lr-ratio", self.min_lr_ratio), ("--b1", self.b1), ("--b2", self.b2)):
+            if value > 1:
+                raise ConfigError(f"{name} {value}: must be in [0, 1]")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"--batch-size {self.batch_size} is not a multiple of --grad-accum {self.grad_accum}")
+        return self
