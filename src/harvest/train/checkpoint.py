@@ -1,8 +1,11 @@
 """Orbax checkpoints of a training run under RUN/checkpoints/<step>/: the sharded state (params,
 optimizer moments, step) written by every process for the shards it holds, plus the data position
 as JSON. Saves are asynchronous (training goes on while they land), every `checkpoint_every` steps or
-when forced (SIGTERM, the end), keeping the newest `keep`. A restart anywhere reads them back from the
-run's URL: nothing needs a shared filesystem."""
+when forced (SIGTERM, the end), keeping the newest `keep`.
+
+Known gap: orbax 0.12.8 turns `s3://...` into a local path, and tensorstore ignores the GCS emulator, so
+on this machine checkpoints are tested on a local path only; a pod without a shared filesystem needs
+them in object storage (next step: save locally and mirror through harvest.store.fs.Storage)."""
 
 from __future__ import annotations
 
