@@ -12,7 +12,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from harvest.data.batching import Piece, Row
+from harvest.data.batching import Row
 from harvest.store import format as fmt
 from harvest.store.fs import Storage
 from harvest.store.records import Progress as ProgressRecord
@@ -42,14 +42,13 @@ class Progress:
         self.shards = 0
 
     def rows_done(self, stream: int, row: Row) -> None:
-        pieces = [e for e, _ in row.events if isinstance(e, Piece)]
         with self._lock:
-            if row.events:
-                self.records[stream] = max(self.records[stream], row.events[-1][0].pos[0] + 1)
+            if row.block:
+                self.records[stream] = max(self.records[stream], row.block[-1].pos[0] + 1)
             self.session_tokens += row.used
             self.padding[0] += row.used
             self.padding[1] += len(row.tokens)
-            self.samples[stream] += len(pieces)
+            self.samples[stream] += len(row.events)
 
     def committed(self, manifest: Sidecar) -> None:
         with self._lock:
