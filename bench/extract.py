@@ -155,7 +155,7 @@ def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
 
 def useful_flops(cfg: ModelConfig, layers_run: int, lengths: np.ndarray) -> float:
     """Matmul FLOPs of the layers run over real tokens, plus causal attention within each sample."""
-    d, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     per_token = 2 * (d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size)
     attention = 2 * 2 * q * float((lengths * (lengths + 1) / 2).sum())
     return layers_run * (per_token * float(lengths.sum()) + attention)

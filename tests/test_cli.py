@@ -4,11 +4,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-
-from harvest.data import batching
-from harvest.data.batching import Piece, Skip, StreamEnd, pack_stream
-
 
 def harvest(*args, tmp_path):
     env = {**os.environ, "HARVEST_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -55,22 +50,3 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
 def test_help_names_the_commands(tmp_path):
     result = harvest("--help", tmp_path=tmp_path)
     assert result.returncode == 0 and "demo" in result.stdout
-
-
-def test_pack_stream_packs_blocks_best_fit_and_resumes_from_a_block_start(monkeypatch):
-    monkeypatch.setattr(batching, "PACK_ROWS", 2)  # blocks of >= 20 tokens with rows of 10
-    lengths = [5, 4, 6, 3, 8, 2, 9, 7, 1]
-    pieces = [Piece((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate(lengths)]
-    skip = Skip((9, 0), 9, "line 10", "bad")
-    rows = list(pack_stream([*pieces, skip, StreamEnd(10)], seq_len=10))
-    # block 1: pieces 0-3 (18 tokens) + 4 -> 26 >= 20; best-fit decreasing: [8], [6, 4], [5, 3]
-    assert [[p.pos[0] for p, _ in r.events] for r in rows] == [[4], [1, 2], [0, 3], [6, 8], [5, 7]]
-    assert [r.start for r in rows] == [(0, 0)] * 3 + [(5, 0)] * 2
-    assert rows[1].segments.tolist() == [1] * 4 + [2] * 6
-    assert rows[1].tokens.tolist() == [2] * 4 + [3] * 6
-    assert [r.block is not None for r in rows] == [False, False, True, False, True]
-    assert [e.pos[0] for e in rows[2].block] == [0, 1, 2, 3, 4] and rows[-1].block[-1] == skip
-    assert rows[-1].end == StreamEnd(10)
-    assert sum(r.used for r in rows) / (10 * len(rows)) == sum(lengths) / 50
-    resumed = list(pack_stream([*pieces, skip, StreamEnd(10)], seq_len=10, skip_before=(5, 0)))
-    assert [r.tokens.tolist() for r in resumed] == [r.tokens.tolist() for r in rows[3:]]
