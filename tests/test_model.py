@@ -139,7 +139,7 @@ def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_
     ckpt = ref.build_checkpoint("llama", tmp_path)
     ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30], [200]], 256, seed=3)
     together = run(ckpt, ids, segments, block_sparse=True)
-    for others in ([1], [2, 3], [3, 1, 2]):
+    for others in ([1], [3, 1, 2]):
         rows = [0, *others]
         apart = run(ckpt, ids[rows], segments[rows], block_sparse=True)
         for key, values in together.items():
