@@ -4,9 +4,10 @@ block-sparse attention.
 A row of 1024 tokens holding 16 short samples needs ~sum(len_i^2) attention scores, not 1024^2. Cut each
 row into blocks of `block` tokens; a query block needs the key blocks from the start of the segment its
 first query belongs to up to itself (padding queries: only their own block). The pairs are listed on the
-host from the segment ids (numpy, no per-token loop), row by row in key order, then padded up to a bucket
-size so that a run compiles a small fixed set of shapes. Padding pairs point at the dummy
-query block `rows * blocks_per_row`, whose output the attention drops.
+host from the segment ids (numpy, no per-token loop), row by row in key order, then padded to one length per
+batch shape, so that a run compiles once; the attention loops over chunks of the list only as far as the
+real pairs go. Padding pairs point at the dummy query block `rows * blocks_per_row`, whose output the
+attention drops.
 
 A row's pairs depend on that row alone, and the attention combines them in the listed order: a row
 rounds the same way whatever rows share its batch (resume re-batches rows and must repeat bit for bit).
@@ -24,9 +25,14 @@ def block_len(seq: int) -> int:
     return BLOCK if seq % BLOCK == 0 else seq
 
 
+def pair_chunk(rows: int, blocks_per_row: int) -> int:
+    """Pairs the attention handles per loop step: half a row's blocks per row."""
+    return max(rows * blocks_per_row // 2, 1)
+
+
 def block_pairs(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(query block, key block) flat indices [P] (row * blocks_per_row + block), P a multiple of the bucket:
-    half a row's blocks per row, so that a run compiles at most ~blocks_per_row distinct shapes."""
+    """(query block, key block) flat indices [P] (row * blocks_per_row + block). P is the same for every batch
+    of this shape (the causal triangle of every row, rounded up to whole chunks): one compiled shape."""
     rows, seq = segment_ids.shape
     block = block_len(seq)
     n = seq // block
@@ -43,8 +49,8 @@ def block_pairs(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     offset_in_run = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     q = np.repeat(row_base + own, counts)
     k = np.repeat(row_base + first_key, counts) + offset_in_run
-    bucket = max(rows * n // 2, 1)
-    padded = -(-total // bucket) * bucket
+    chunk = pair_chunk(rows, n)
+    padded = -(-(rows * n * (n + 1) // 2) // chunk) * chunk
     q = np.concatenate([q, np.full(padded - total, rows * n)]).astype(np.int32)
     k = np.concatenate([k, np.zeros(padded - total, np.int64)]).astype(np.int32)
     return q, k

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest.model.blocks import block_len
+from harvest.model.blocks import block_len, pair_chunk
 from harvest.model.config import ModelConfig, RopeConfig
 from harvest.model.points import CapturePlan
 
@@ -74,35 +74,48 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
                            pairs: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
     """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
-    row costs about sum(len_i^2), not seq^2. Each pair yields a partial softmax (max, sum, weighted values);
-    the partials of a query block are merged in list order, so a row's values depend on that row alone."""
+    row costs about sum(len_i^2), not seq^2.
+
+    The list has one length per batch shape (one compiled shape); a loop runs over chunks of it only as far
+    as the real pairs go. Each pair yields a partial softmax (max, sum, weighted values); the partials of a
+    query block are merged in list order, so a row's values depend on that row alone."""
     q_index, k_index = pairs
     batch, seq, heads, dim = q.shape
     groups = k.shape[2]
     block = block_len(seq)
     n = batch * seq // block
+    chunk = pair_chunk(batch, seq // block)
 
     def blocks(x):
         return x.reshape(n, block, *x.shape[2:])
 
-    q_take = jnp.minimum(q_index, n - 1)  # the padding pairs' dummy block n reads any block; dropped below
-    qb = blocks(q)[q_take].reshape(-1, block, groups, heads // groups, dim)
-    kb, vb = blocks(k)[k_index], blocks(v)[k_index]
+    qb = blocks(q).reshape(n, block, groups, heads // groups, dim)
+    kb, vb = blocks(k), blocks(v)
     position = blocks(jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
     segment = blocks(segment_ids)
-    qpos, kpos = position[q_take][:, :, None], position[k_index][:, None, :]
-    visible = (segment[q_take][:, :, None] == segment[k_index][:, None, :]) & (qpos >= kpos) & (qpos - kpos < window)
-    scores = jnp.einsum("pqgrd,pkgd->pgrqk", qb, kb) * scale
-    scores = jnp.where(visible[:, None, None], scores, jnp.asarray(-1e30, scores.dtype))
-    peak = scores.max(-1)
-    weights = jnp.exp(scores - peak[..., None])
-    total = weights.sum(-1)
-    values = jnp.einsum("pgrqk,pkgd->pgrqd", weights, vb)
+
+    def partials(c, acc):
+        at = c * chunk
+        qi = jnp.minimum(jax.lax.dynamic_slice_in_dim(q_index, at, chunk), n - 1)  # dummy block n reads any
+        ki = jax.lax.dynamic_slice_in_dim(k_index, at, chunk)
+        qpos, kpos = position[qi][:, :, None], position[ki][:, None, :]
+        visible = (segment[qi][:, :, None] == segment[ki][:, None, :]) & (qpos >= kpos) & (qpos - kpos < window)
+        scores = jnp.einsum("pqgrd,pkgd->pgrqk", qb[qi], kb[ki]) * scale
+        scores = jnp.where(visible[:, None, None], scores, jnp.asarray(-1e30, scores.dtype))
+        peak = scores.max(-1)
+        weights = jnp.exp(scores - peak[..., None])
+        update = (peak, weights.sum(-1), jnp.einsum("pgrqk,pkgd->pgrqd", weights, vb[ki]))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, u, at, 0) for a, u in zip(acc, update))
+
+    shape = (q_index.shape[0], groups, heads // groups, block)
+    start = (jnp.full(shape, -1e30, q.dtype), jnp.zeros(shape, q.dtype), jnp.zeros((*shape, dim), q.dtype))
+    steps = (jnp.sum(q_index < n) + chunk - 1) // chunk
+    peak, total, values = jax.lax.fori_loop(0, steps, partials, start)
     merged_peak = jax.ops.segment_max(peak, q_index, n + 1, indices_are_sorted=True)
     rescale = jnp.exp(peak - merged_peak[q_index])
     total = jax.ops.segment_sum(total * rescale, q_index, n + 1, indices_are_sorted=True)
     values = jax.ops.segment_sum(values * rescale[..., None], q_index, n + 1, indices_are_sorted=True)
-    out = (values / total[..., None])[:n]  # [n, groups, rep, block, dim]
+    out = (values[:n] / total[:n, ..., None])  # [n, groups, rep, block, dim]; the dummy block n dropped
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
 
 
