@@ -3,6 +3,7 @@ safetensors directly), bad inputs are skipped and recorded, nothing valid is los
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,3 +181,6 @@ def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(
     extract_on_one_device(model_dir, data, out)
     assert [s.with_suffix(".safetensors").read_bytes() for s in sidecars[-2:]] == before
     assert verify(str(out)).ok
+    shown = subprocess.run([sys.executable, "-m", "harvest", "inspect", str(out)], capture_output=True, text=True,
+                           env={**os.environ, "COLUMNS": "200"}, timeout=120).stdout
+    assert re.search(r"packing\s+\d+\.\d% of computed row slots", shown), shown
