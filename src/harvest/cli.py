@@ -85,7 +85,7 @@ def _train(args: argparse.Namespace) -> int:
 def _print_summary(summary: dict) -> None:
     print(f"wrote {summary['out']}: {summary['samples']} samples, {summary['tokens']} tokens in "
           f"{summary['streams']} streams; this run {summary['tokens_this_run']} tokens in {summary['seconds']}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s, {summary['padding']:.1%} padding, "
+          f"({summary['tokens_per_s']:,.0f} tokens/s, packing efficiency {summary['packing_efficiency']:.1%}, "
           f"{summary['shards_written']} shards)")
     print(f"long samples: {summary['truncated']} truncated, {summary['chunked']} chunked, "
           f"{summary['skipped_long']} skipped; bad inputs skipped: {summary['skipped'] - summary['skipped_long']}")

@@ -134,7 +134,7 @@ def run_demo(args) -> int:
     summary = run_extract(config)
     console.print(f"   {summary['samples']} samples, {summary['tokens']:,} tokens, {summary['shards_written']} shards "
                   f"in {summary['seconds']}s: {summary['tokens_per_s']:,.0f} tokens/s, "
-                  f"{summary['padding']:.1%} padding, {summary['chunked']} chunked, {summary['skipped']} skipped")
+                  f"packing {summary['packing_efficiency']:.1%}, {summary['chunked']} chunked, {summary['skipped']} skipped")
     result = verify(str(out))
     console.print(f"[bold]4. verify[/]  {result.summary}")
     for problem in result.problems:

@@ -2,9 +2,13 @@
 
 A stream becomes a sequence of *pieces* at positions (index, variant): index is the record's line in
 the stream, variant which of the record's pieces it is (ARC augmentations, chunks of a long text).
-Rows are filled greedily in stream order and never span two streams, so packing is a pure function
-of the stream: a resume that re-packs from a row's first piece rebuilds the same rows, and every
-sample sits at the same offset and rounds the same way as in the first run.
+Pieces are cut into *blocks* in stream order (a block closes once it holds PACK_ROWS rows' worth of
+tokens, or at the stream's end), and each block is packed best-fit decreasing into rows: ~0.97 of the
+computed tokens are real on lognormal text where greedy in-order filling gets ~0.78. Rows never span
+two streams or two blocks, so packing is a pure function of the stream from any block start: every
+row of a block carries that start, a resume re-packs from there, and every sample sits at the same
+offset of the same row and rounds the same way as in the first run. A block's last row carries the
+block's events in stream order, so that shards can be written in stream order.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from harvest.errors import UserError
 Position = tuple[int, int]
 log = logging.getLogger(__name__)
 BLOCK = 64  # records tokenized together: one call into the Rust tokenizer per block
+PACK_ROWS = 32  # rows' worth of tokens packed together: tighter packing, but the host holds a block's captures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +59,14 @@ Event = Piece | Skip | StreamEnd
 
 @dataclasses.dataclass
 class Row:
-    """One packed row: the pieces in it (and skips met while filling it), in stream order."""
+    """One packed row: its pieces with their offsets (ordered by offset), and the block it belongs to."""
 
     tokens: np.ndarray
     segments: np.ndarray
-    start: Position | None = None  # position of the first piece; None for a row without pieces
+    start: Position | None = None  # where the row's block begins (a resume re-packs from there); None: no events
     used: int = 0
-    pieces: int = 0
-    events: list[tuple[Event, int]] = dataclasses.field(default_factory=list)  # (event, offset in row)
+    events: list[tuple[Piece, int]] = dataclasses.field(default_factory=list)  # (piece, offset in row)
+    block: list[Event] | None = None  # on a block's last row: the block's pieces and skips in stream order
     end: StreamEnd | None = None
 
 
@@ -181,33 +186,59 @@ def _block_events(block, first, render, encode, max_seq_len, long, strict, sampl
 
 
 def pack_stream(events: Iterable[Event], seq_len: int, skip_before: Position = (0, 0)) -> Iterator[Row]:
-    """Greedy in-order packing into rows of `seq_len`; the last row carries the StreamEnd.
+    """Rows of `seq_len`, block by block; the last row carries the StreamEnd.
 
-    Pieces before `skip_before` (the row start a resume re-packs from) are dropped unseen.
+    Events before `skip_before` (the block start a resume re-packs from) are dropped unseen.
     """
-    row = _empty_row(seq_len)
+    block: list[Event] = []
+    tokens = 0
+    packed: list[Row] = []  # a full block's rows, held until the next event shows whether the stream ends there
     for event in events:
         if isinstance(event, StreamEnd):
-            row.end = event
-            yield row
+            rows = packed + (pack_block(block, seq_len) if block or not packed else [])
+            rows[-1].end = event
+            yield from rows
             return
         if event.pos < skip_before:
             continue
-        if isinstance(event, Skip):
-            row.events.append((event, row.used))
-            continue
-        n = len(event.tokens)
-        if row.used + n > seq_len and row.start is not None:
-            yield row
-            row = _empty_row(seq_len)
-        if row.start is None:
-            row.start = event.pos
-        row.pieces += 1
-        row.tokens[row.used : row.used + n] = event.tokens
-        row.segments[row.used : row.used + n] = row.pieces
-        row.events.append((event, row.used))
+        yield from packed
+        packed = []
+        block.append(event)
+        if isinstance(event, Piece):
+            tokens += len(event.tokens)
+            if tokens >= PACK_ROWS * seq_len:
+                packed = pack_block(block, seq_len)
+                block, tokens = [], 0
+
+
+def pack_block(block: list[Event], seq_len: int) -> list[Row]:
+    """Best-fit decreasing: longest piece first (ties in stream order), each into the fullest row it fits.
+    At least one row (a block of skips only gets an empty one, to carry them)."""
+    pieces = sorted((e for e in block if isinstance(e, Piece)), key=lambda p: (-len(p.tokens), p.pos))
+    contents: list[list[Piece]] = []
+    free: list[int] = []
+    for piece in pieces:
+        n = len(piece.tokens)
+        fits = [r for r, room in enumerate(free) if room >= n]
+        if fits:
+            best = min(fits, key=lambda r: free[r])
+            contents[best].append(piece)
+            free[best] -= n
+        else:
+            contents.append([piece])
+            free.append(seq_len - n)
+    start = block[0].pos if block else None
+    rows = [_fill(sorted(chosen, key=lambda p: p.pos), seq_len, start) for chosen in contents or [[]]]
+    rows[-1].block = block
+    return rows
+
+
+def _fill(pieces: list[Piece], seq_len: int, start: Position | None) -> Row:
+    row = Row(np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32), start)
+    for segment, piece in enumerate(pieces, 1):
+        n = len(piece.tokens)
+        row.tokens[row.used : row.used + n] = piece.tokens
+        row.segments[row.used : row.used + n] = segment
+        row.events.append((piece, row.used))
         row.used += n
-
-
-def _empty_row(seq_len: int) -> Row:
-    return Row(np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32))
+    return row

@@ -12,7 +12,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from harvest.data.batching import Piece, Row
+from harvest.data.batching import Row
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
 from harvest.store.fs import Storage
@@ -36,20 +36,19 @@ class Progress:
         self.samples = {s: resume[s].samples for s in totals}
         self.tokens = {s: resume[s].tokens for s in totals}
         self.session_tokens = 0  # computed in this process, for the rate
-        self.padding = [0, 0]  # [real tokens, row slots] of rows this session
+        self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
         self.long: Counter = Counter()
         self.skipped: list[dict[str, Any]] = []
         self.shards = 0
 
     def rows_done(self, stream: int, row: Row) -> None:
-        pieces = [e for e, _ in row.events if isinstance(e, Piece)]
         with self._lock:
-            if row.events:
-                self.records[stream] = max(self.records[stream], row.events[-1][0].pos[0] + 1)
+            if row.block:
+                self.records[stream] = max(self.records[stream], row.block[-1].pos[0] + 1)
             self.session_tokens += row.used
-            self.padding[0] += row.used
-            self.padding[1] += len(row.tokens)
-            self.samples[stream] += len(pieces)
+            self.packing[stream][0] += row.used
+            self.packing[stream][1] += len(row.tokens)
+            self.samples[stream] += len(row.events)
 
     def committed(self, manifest: Sidecar) -> None:
         with self._lock:
@@ -57,11 +56,12 @@ class Progress:
             self.long.update(manifest.long)
             self.skipped.extend(manifest.skipped)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
+            packing = tuple(self.packing.get(manifest.stream, (0, 0)))
         record = ProgressRecord(
             stream=manifest.stream, records_done=manifest.records if manifest.final else manifest.next[0],
             total=manifest.records if manifest.final else self.totals.get(manifest.stream),
             shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
-            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final)
+            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing)
         self.out.write_bytes(f"{fmt.stream_dir(manifest.stream)}/progress.json", record.to_bytes())
 
     def line(self) -> str:
@@ -117,7 +117,7 @@ def _every(seconds: float, tick):
 def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Progress) -> dict[str, Any]:
     """The end-of-run account: nothing truncated, skipped or chunked goes unsaid."""
     reasons = Counter(s["reason"].split(" (")[0] for s in progress.skipped)
-    real, slots = progress.padding
+    real, slots = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
     return {
         "out": out.url,
         "streams": len(chosen),
@@ -127,7 +127,7 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         "tokens_this_run": progress.session_tokens,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
-        "padding": round(1 - real / slots, 4) if slots else 0.0,
+        "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots
         "shards_written": progress.shards,
         "truncated": progress.long["truncated"],
         "chunked": progress.long["chunked"],

@@ -29,6 +29,7 @@ class ShardWriter:
         self.shard = resume.shard
         self.committed = resume.next
         self.start = resume.next
+        self.waiting: dict[fmt.Position, dict[str, np.ndarray]] = {}  # pieces of the current block, by position
         self._reset()
 
     def _reset(self) -> None:
@@ -42,10 +43,16 @@ class ShardWriter:
         self.bytes = 0
 
     def add_row(self, row: Row, values: dict[str, np.ndarray]) -> list[ClosedShard]:
-        """Take a row's pieces; `values[name]` is [row.used, width]. Returns shards closed on the way."""
+        """Take a row; `values[name]` is [row.used, width]. Its pieces wait (copied out of the batch, so the
+        batch's arrays are freed) until their block's last row, the one carrying `row.block`, arrives; then
+        they go in in stream order. Returns shards closed on the way."""
+        for piece, offset in row.events:
+            if piece.pos >= self.committed:  # else already in a committed shard (a resume re-packs its block)
+                self.waiting[piece.pos] = {name: v[offset : offset + len(piece.tokens)].copy()
+                                           for name, v in values.items()}
         closed = []
-        for event, offset in row.events:
-            if event.pos < self.committed:  # already in a committed shard (a resume re-packs from its row)
+        for event in row.block or ():
+            if event.pos < self.committed:
                 continue
             if isinstance(event, Skip):
                 self.skipped.append({"sample_id": event.sample_id, "variant": event.pos[1],
@@ -55,19 +62,18 @@ class ShardWriter:
             size = len(event.tokens) * self.token_bytes + self.sample_bytes
             if self.lengths and self.bytes + size > self.shard_bytes:
                 closed.append(self._close(next=event.pos, row_start=row.start, final=False, records=event.pos[0]))
-            self._add_piece(event, offset, values)
+            self._add_piece(event, self.waiting.pop(event.pos))
             self.bytes += size
         if row.end is not None:
             closed.append(self._close(next=(row.end.records, 0), row_start=(row.end.records, 0), final=True,
                                       records=row.end.records))
         return closed
 
-    def _add_piece(self, piece: Piece, offset: int, values: dict[str, np.ndarray]) -> None:
-        n = len(piece.tokens)
+    def _add_piece(self, piece: Piece, values: dict[str, np.ndarray]) -> None:
         for name, block in values.items():
-            self.blocks[name].append(block[offset : offset + n])
+            self.blocks[name].append(block)
         self.token_blocks.append(piece.tokens)
-        self.lengths.append(n)
+        self.lengths.append(len(piece.tokens))
         self.sample_ids.append(piece.sample_id)
         self.variants.append(piece.pos[1])
         if piece.long:

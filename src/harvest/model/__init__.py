@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
 from harvest.model.points import POINTS, CapturePlan, parse_points
 from harvest.model.transformer import forward
@@ -34,12 +35,16 @@ class Decoder:
     params: dict
     mesh: Mesh
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
+    block_sparse: bool | None = None  # None: on a one-device CPU mesh (elsewhere the backend's fused kernel)
 
     def __post_init__(self):
+        if self.block_sparse is None:
+            self.block_sparse = jax.default_backend() == "cpu" and self.mesh.devices.size == 1
         # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
         run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrainer(self.mesh))
         dtype = self.out_dtype and jnp.dtype(self.out_dtype)
-        self._forward = jax.jit(lambda *args: {p: v.astype(dtype or v.dtype) for p, v in run(*args).items()})
+        self._forward = jax.jit(lambda params, tokens, segment_ids, pairs: {
+            p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()})
 
     def shard_batch(self, array: np.ndarray) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
@@ -48,9 +53,10 @@ class Decoder:
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
         """{point: [n_layers_captured, batch, seq, width]} on device."""
-        return self._forward(
-            self.params, self.shard_batch(np.asarray(tokens, np.int32)), self.shard_batch(np.asarray(segment_ids, np.int32))
-        )
+        segment_ids = np.asarray(segment_ids, np.int32)
+        pairs = block_pairs(segment_ids) if self.block_sparse else None
+        return self._forward(self.params, self.shard_batch(np.asarray(tokens, np.int32)),
+                             self.shard_batch(segment_ids), pairs)
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,

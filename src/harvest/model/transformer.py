@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harvest.model.blocks import block_len, pair_chunk
 from harvest.model.config import ModelConfig, RopeConfig
 from harvest.model.points import CapturePlan
 
@@ -66,18 +67,56 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Masked attention (GQA). On CPU, XLA builds the whole [seq, seq] score matrix, upper triangle included:
-    query blocks that see only the keys up to their own end save 10-25% of a long row's forward (at most 16
-    blocks, so compile time stays bounded). Elsewhere the backend's fused kernel gets the whole thing."""
-    seq = q.shape[1]
-    if jax.default_backend() != "cpu" or seq <= 256:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
-    block = max(128, -(-seq // 16))
-    return jnp.concatenate([
-        jax.nn.dot_product_attention(q[:, a : a + block], k[:, : a + block], v[:, : a + block],
-                                     mask=mask[:, :, a : a + block, : a + block], scale=scale)
-        for a in range(0, seq, block)
-    ], axis=1)
+    """Masked dense attention (GQA): the backend's fused kernel gets the whole [seq, seq] problem."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+
+
+def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
+                           pairs: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
+    """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
+    row costs about sum(len_i^2), not seq^2.
+
+    The list has one length per batch shape (one compiled shape); a loop runs over chunks of it only as far
+    as the real pairs go. Each pair yields a partial softmax (max, sum, weighted values); the partials of a
+    query block are merged in list order, so a row's values depend on that row alone."""
+    q_index, k_index = pairs
+    batch, seq, heads, dim = q.shape
+    groups = k.shape[2]
+    block = block_len(seq)
+    n = batch * seq // block
+    chunk = pair_chunk(batch, seq // block)
+
+    def blocks(x):
+        return x.reshape(n, block, *x.shape[2:])
+
+    qb = blocks(q).reshape(n, block, groups, heads // groups, dim)
+    kb, vb = blocks(k), blocks(v)
+    position = blocks(jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
+    segment = blocks(segment_ids)
+
+    def partials(c, acc):
+        at = c * chunk
+        qi = jnp.minimum(jax.lax.dynamic_slice_in_dim(q_index, at, chunk), n - 1)  # dummy block n reads any
+        ki = jax.lax.dynamic_slice_in_dim(k_index, at, chunk)
+        qpos, kpos = position[qi][:, :, None], position[ki][:, None, :]
+        visible = (segment[qi][:, :, None] == segment[ki][:, None, :]) & (qpos >= kpos) & (qpos - kpos < window)
+        scores = jnp.einsum("pqgrd,pkgd->pgrqk", qb[qi], kb[ki]) * scale
+        scores = jnp.where(visible[:, None, None], scores, jnp.asarray(-1e30, scores.dtype))
+        peak = scores.max(-1)
+        weights = jnp.exp(scores - peak[..., None])
+        update = (peak, weights.sum(-1), jnp.einsum("pgrqk,pkgd->pgrqd", weights, vb[ki]))
+        return tuple(jax.lax.dynamic_update_slice_in_dim(a, u, at, 0) for a, u in zip(acc, update))
+
+    shape = (q_index.shape[0], groups, heads // groups, block)
+    start = (jnp.full(shape, -1e30, q.dtype), jnp.zeros(shape, q.dtype), jnp.zeros((*shape, dim), q.dtype))
+    steps = (jnp.sum(q_index < n) + chunk - 1) // chunk
+    peak, total, values = jax.lax.fori_loop(0, steps, partials, start)
+    merged_peak = jax.ops.segment_max(peak, q_index, n + 1, indices_are_sorted=True)
+    rescale = jnp.exp(peak - merged_peak[q_index])
+    total = jax.ops.segment_sum(total * rescale, q_index, n + 1, indices_are_sorted=True)
+    values = jax.ops.segment_sum(values * rescale[..., None], q_index, n + 1, indices_are_sorted=True)
+    out = (values[:n] / total[:n, ..., None])  # [n, groups, rep, block, dim]; the dummy block n dropped
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
 
 
 def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: str) -> jax.Array:
@@ -85,7 +124,7 @@ def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: str) -> jax.Arr
     return y if b is None else y + b
 
 
-def _layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, mask) -> dict[str, jax.Array]:
+def _layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, attend) -> dict[str, jax.Array]:
     """One decoder layer; returns every capture point (unused ones are dead code to XLA)."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     q = _proj(x, lp["q_proj"], lp.get("q_bias"), "bsd,dhk->bshk")
@@ -95,7 +134,7 @@ def _layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, mask) -> dict[s
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = attention(q, k, v, mask, cfg.head_dim**-0.5)
+    attn = attend(q, k, v)
     attn_out = _proj(attn, lp["o_proj"], lp.get("o_bias"), "bshk,hkd->bsd")
     resid_mid = h + attn_out
     x = rms_norm(resid_mid, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -117,20 +156,26 @@ def _width(cfg: ModelConfig, point: str) -> int:
     return cfg.intermediate_size if point == "mlp_hidden" else cfg.hidden_size
 
 
-def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype):
-    """Rotary cos/sin from each token's position in its segment, and `mask_of(layer)`: causal, within the
-    segment, and inside the layer's sliding window if it has one."""
+def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype,
+                      pairs: tuple[jax.Array, jax.Array] | None = None):
+    """Rotary cos/sin from each token's position in its segment, and `attend_of(layer)`: attention that is
+    causal, within the segment and inside the layer's sliding window if it has one. Dense with a mask, or,
+    given the block `pairs` that share a segment (harvest.model.blocks), over those blocks only."""
     seq = segment_ids.shape[-1]
     positions = segment_positions(segment_ids)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    scale = cfg.head_dim**-0.5
+    # Per layer: window in tokens, or seq (never limiting) for full attention.
+    windows = jnp.asarray([w or seq for w in cfg.sliding_windows[:n_run]], jnp.int32)
+    if pairs is not None:
+        return cos, sin, lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, windows[i], pairs,
+                                                                          scale)
     idx = jnp.arange(seq)
     causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
     distance = idx[:, None] - idx[None, :]
-    # Per layer: window in tokens, or seq (never limiting) for full attention.
-    windows = jnp.asarray([w or seq for w in cfg.sliding_windows[:n_run]], jnp.int32)
-    return cos, sin, lambda i: (causal & (distance < windows[i]))[:, None, :, :]
+    return cos, sin, lambda i: lambda q, k, v: attention(q, k, v, (causal & (distance < windows[i]))[:, None], scale)
 
 
 def _embed(table: jax.Array, tokens: jax.Array, constrain) -> jax.Array:
@@ -147,10 +192,12 @@ def forward(
     cfg: ModelConfig,
     plan: CapturePlan,
     constrain=None,
+    pairs: tuple[jax.Array, jax.Array] | None = None,
 ) -> dict[str, jax.Array]:
     """Run layers 0..plan.num_layers-1 over tokens [batch, seq]; return {point: [n_layers_captured, b, s, w]}.
 
     `constrain(x, logical_axes)` (from runtime.mesh) pins activation shardings on a mesh; None on one device.
+    `pairs` (from model.blocks.block_pairs on these segment ids) selects block-sparse attention; None: dense.
     """
     constrain = constrain or (lambda x, axes: x)
     n_run = plan.num_layers
@@ -160,7 +207,7 @@ def forward(
         raise ValueError(f"capture plan needs {n_run} layers; params hold {depth}")
     dtype = params["embed"].dtype
     batch, seq = tokens.shape
-    cos, sin, mask_of = _attention_inputs(cfg, segment_ids, n_run, dtype)
+    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, n_run, dtype, pairs)
 
     # Slot of each layer in each point's buffer; n (the spare slot) where that layer is not captured.
     slots = {}
@@ -178,7 +225,7 @@ def forward(
     def step(carry, i):
         h, buffers = carry
         lp = jax.tree.map(lambda a: a[i], stacked)
-        out = _layer(cfg, lp, h, cos, sin, mask_of(i))
+        out = _layer(cfg, lp, h, cos, sin, attend_of(i))
         buffers = {
             p: jax.lax.dynamic_update_slice_in_dim(buf, out[p][None].astype(dtype), slots[p][i], axis=0)
             for p, buf in buffers.items()
@@ -220,11 +267,11 @@ def decode(
     constrain = constrain or (lambda x, axes: x)
     dtype = jnp.dtype(compute_dtype or params["embed"].dtype)
     params = jax.tree.map(lambda a: a.astype(dtype), params)
-    cos, sin, mask_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype)
+    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype)
 
     def step(h, xs):
         lp, i = xs
-        return constrain(_layer(cfg, lp, h, cos, sin, mask_of(i))["resid_post"], ("batch", "seq", None)), None
+        return constrain(_layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], ("batch", "seq", None)), None
 
     if remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])

@@ -171,6 +171,7 @@ class Progress(Record):
     worker: str
     updated_at: str  # ISO 8601, UTC
     done: bool
+    packing: tuple[int, ...] = (0, 0)  # (real tokens, computed row slots) of this session's rows: packing efficiency
 
 
 @dataclasses.dataclass(frozen=True)

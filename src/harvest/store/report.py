@@ -266,6 +266,9 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
                   + (f", {sum(counts):,} records" if isinstance(counts, list) else ", length unknown"))
     about.add_row("committed", f"{run.num_samples:,} samples, {run.num_tokens:,} tokens, {len(run.shards)} shards, "
                                f"{human_bytes(run.num_bytes)}, {skipped} skipped")
+    packing = _packing(run.storage, streams)
+    if packing is not None:
+        about.add_row("packing", f"{packing:.1%} of computed row slots hold real tokens (last session of each stream)")
     about.add_row("version", f"harvest {info.harvest_version}, format {info.format_version}, "
                              f"config {info.config_sha256[:12]}")
 
@@ -300,3 +303,17 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     else:
         out.append(Text("no committed sample yet", style="dim"))
     return out
+
+
+def _packing(storage: Storage, streams: list[int]) -> float | None:
+    """Real tokens / row slots computed, over the streams' progress.json (each stream's latest session)."""
+    real = slots = 0
+    for stream in streams:
+        rel = f"{fmt.stream_dir(stream)}/progress.json"
+        try:
+            progress = Progress.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
+        except (ValueError, UserError):
+            continue  # being rewritten: progress.json is for show
+        if progress is not None and len(progress.packing) == 2:
+            real, slots = real + progress.packing[0], slots + progress.packing[1]
+    return real / slots if slots else None
