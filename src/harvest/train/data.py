@@ -22,15 +22,17 @@ from harvest.errors import UserError
 
 @dataclasses.dataclass(frozen=True)
 class Position:
-    """Where a group's next row starts."""
+    """Where a group's next row starts: the packing block it belongs to (packing re-packs whole blocks, see
+    harvest.data.batching) and how many of that block's rows come before it."""
 
     epoch: int = 0
     cursor: int = 0  # index into the group's streams
     record: int = 0
     variant: int = 0
+    row: int = 0  # rows of the block at (record, variant) before this one
 
     def to_json(self) -> list[int]:
-        return [self.epoch, self.cursor, self.record, self.variant]
+        return [self.epoch, self.cursor, self.record, self.variant, self.row]
 
     @classmethod
     def from_json(cls, value: list[int]) -> Position:
@@ -91,12 +93,18 @@ class GroupReader:
     def _walk(self, position: Position) -> Iterator[tuple[Position, Row]]:
         epoch, cursor, start = position.epoch, position.cursor, (position.record, position.variant)
         found = position != Position()  # a resumed position lies past rows already found
+        skip = position.row
         while True:
+            block, k = None, 0
             for row in self._rows_from(self._streams[cursor], start):
-                if row.start is not None:
-                    found = True
-                    yield Position(epoch, cursor, *row.start), row
-            start = (0, 0)
+                if row.start is None:
+                    continue
+                block, k = (row.start, k + 1) if row.start == block else (row.start, 0)
+                if skip and row.start == start and k < skip:
+                    continue  # taken before the resume
+                found = True
+                yield Position(epoch, cursor, *row.start, k), row
+            start, skip = (0, 0), 0
             cursor += 1
             if cursor == len(self._streams):
                 if not found:

@@ -8,6 +8,7 @@ any, is restored (state and data position) and the loop runs to `steps`, logging
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -158,7 +159,7 @@ def _initial_params(cfg: TrainConfig, model: ModelConfig, mesh) -> dict:
 
 def _all_positions(mine: dict[int, Position], count: int) -> list[Position]:
     """Every group's position: each process knows its own groups'; one small gather joins them."""
-    table = np.full((count, 4), -1, np.int64)
+    table = np.full((count, len(dataclasses.fields(Position))), -1, np.int64)
     for group, position in mine.items():
         table[group] = position.to_json()
     if jax.process_count() > 1:
