@@ -66,17 +66,13 @@ class SourceFile:
 
 # --- the one place that opens source bytes ----------------------------------------------------------------
 
-_STORAGE_SCHEMES = ("gs", "gcs", "s3", "s3a", "file")
-
-
 @contextlib.contextmanager
 def _open_read(path: str, compression: str | None = None):
     """A binary file object over a source file, decompressing on the fly. Local, gs:// and s3:// files are
     read through harvest's Storage (retries, reopening mid-stream, one-line errors); other fsspec URLs
     (hf://, memory://, http://) through fsspec itself."""
-    scheme = path.split("://", 1)[0].lower() if "://" in path else "file"
     try:
-        if scheme in _STORAGE_SCHEMES:
+        if Storage.supports(path):
             directory, _, name = path.rstrip("/").rpartition("/")
             with Storage(directory or ".").open_binary(name) as raw:
                 yield _decompressed(raw, compression, path)

@@ -394,7 +394,6 @@ def open_data(spec: str) -> StreamSet | SourceStreams:
         raise UserError("--data: give a file, glob, URL, hf://NAME[:CONFIG]:SPLIT or a streams directory")
     if spec.rstrip("/").endswith(STREAMS_FILE):
         return StreamSet.open(spec)
-    scheme = spec.split("://", 1)[0].lower() if "://" in spec else "file"
-    if scheme in ("file", "gs", "gcs", "s3") and not sources._has_magic(spec) and Storage(spec).exists(STREAMS_FILE):
+    if Storage.supports(spec) and not sources._has_magic(spec) and Storage(spec).exists(STREAMS_FILE):
         return StreamSet.open(spec)
     return SourceStreams(spec)

@@ -16,47 +16,54 @@ _FS_CACHE: dict[tuple, Any] = {}
 _FS_LOCK = threading.Lock()
 
 
+def _cached(key: tuple, make) -> Any:
+    """One filesystem per key (protocol, endpoint, credentials, process), made on first use."""
+    with _FS_LOCK:
+        if key not in _FS_CACHE:
+            _FS_CACHE[key] = make()
+        return _FS_CACHE[key]
+
+
 def gcs_filesystem() -> Any:
     env = os.environ
     emulator = custom_endpoint("gs")
     zonal = env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
     key = ("gs", env.get("STORAGE_EMULATOR_HOST"), zonal, env.get("GOOGLE_APPLICATION_CREDENTIALS"), os.getpid())
-    with _FS_LOCK:
-        if key in _FS_CACHE:
-            return _FS_CACHE[key]
-        try:
-            import aiohttp
-            import gcsfs
-            import gcsfs.core
-        except ImportError as e:
-            raise StorageError(f"gs:// needs gcsfs ({e}); pip install 'harvest[gcs]'") from None
-        # gcsfs's zonal/HNS support (the default) probes each bucket over gRPC, which an emulator does not
-        # serve (a minute per bucket): there, unless the user asked for it, use the plain JSON-API class.
-        if (zonal is not None and zonal.lower() not in ("true", "1")) or (emulator and zonal is None):
-            base = gcsfs.core.GCSFileSystem
-        else:
-            base = gcsfs.GCSFileSystem
-        # gcsfs retries inside every HTTP request (6 tries, up to ~30 s of sleeps, a logged traceback each
-        # time it gives up) with no knob per instance; retries are done once, here, instead.
-        raw_request = getattr(gcsfs.core.GCSFileSystem._request, "__wrapped__", None)
-        attrs: dict[str, Any] = {}
-        if raw_request is not None:
-            async def _request(self, *args, **kwargs):
-                return await raw_request(self, *args, **kwargs)
-            attrs["_request"] = _request
-        else:  # another gcsfs: its retries then add to ours
-            log.debug("gcsfs has no unwrapped _request; its own retries stay on")
-        cls = type("HarvestGCSFileSystem", (base,), attrs)
-        options: dict[str, Any] = {
-            "skip_instance_cache": True,
-            "use_listings_cache": False,
-            "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120),
-        }
-        if emulator:
-            options["token"] = "anon"  # emulators take no credentials; skips the metadata-server probe
-        fs = cls(**options)
-        _FS_CACHE[key] = fs
-        return fs
+    return _cached(key, lambda: _gcs(emulator, zonal))
+
+
+def _gcs(emulator: bool, zonal: str | None) -> Any:
+    try:
+        import aiohttp
+        import gcsfs
+        import gcsfs.core
+    except ImportError as e:
+        raise StorageError(f"gs:// needs gcsfs ({e}); pip install 'harvest[gcs]'") from None
+    # gcsfs's zonal/HNS support (the default) probes each bucket over gRPC, which an emulator does not
+    # serve (a minute per bucket): there, unless the user asked for it, use the plain JSON-API class.
+    if (zonal is not None and zonal.lower() not in ("true", "1")) or (emulator and zonal is None):
+        base = gcsfs.core.GCSFileSystem
+    else:
+        base = gcsfs.GCSFileSystem
+    # gcsfs retries inside every HTTP request (6 tries, up to ~30 s of sleeps, a logged traceback each
+    # time it gives up) with no knob per instance; retries are done once, here, instead.
+    raw_request = getattr(gcsfs.core.GCSFileSystem._request, "__wrapped__", None)
+    attrs: dict[str, Any] = {}
+    if raw_request is not None:
+        async def _request(self, *args, **kwargs):
+            return await raw_request(self, *args, **kwargs)
+        attrs["_request"] = _request
+    else:  # another gcsfs: its retries then add to ours
+        log.debug("gcsfs has no unwrapped _request; its own retries stay on")
+    cls = type("HarvestGCSFileSystem", (base,), attrs)
+    options: dict[str, Any] = {
+        "skip_instance_cache": True,
+        "use_listings_cache": False,
+        "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120),
+    }
+    if emulator:
+        options["token"] = "anon"  # emulators take no credentials; skips the metadata-server probe
+    return cls(**options)
 
 
 def s3_filesystem() -> Any:
@@ -64,29 +71,29 @@ def s3_filesystem() -> Any:
     endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
     region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
     key = ("s3", endpoint, region, env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_PROFILE"), os.getpid())
-    with _FS_LOCK:
-        if key in _FS_CACHE:
-            return _FS_CACHE[key]
-        try:
-            import s3fs
-        except ImportError as e:
-            raise StorageError(f"s3:// needs s3fs ({e}); pip install 'harvest[s3]'") from None
-        client_kwargs: dict[str, Any] = {}
-        if endpoint:  # botocore reads AWS_ENDPOINT_URL itself too; explicit here so the cache key is honest
-            client_kwargs["endpoint_url"] = endpoint
-        if region:  # botocore reads only AWS_DEFAULT_REGION
-            client_kwargs["region_name"] = region
-        fs = s3fs.S3FileSystem(
-            skip_instance_cache=True,
-            use_listings_cache=False,
-            client_kwargs=client_kwargs,
-            # botocore's own retry loop off: retries are done here (see Storage.attempts).
-            config_kwargs={"connect_timeout": 10, "read_timeout": 120,
-                           "retries": {"total_max_attempts": 1, "mode": "standard"}},
-        )
-        fs.retries = 1  # s3fs's retry loop off, likewise
-        _FS_CACHE[key] = fs
-        return fs
+    return _cached(key, lambda: _s3(endpoint, region))
+
+
+def _s3(endpoint: str | None, region: str | None) -> Any:
+    try:
+        import s3fs
+    except ImportError as e:
+        raise StorageError(f"s3:// needs s3fs ({e}); pip install 'harvest[s3]'") from None
+    client_kwargs: dict[str, Any] = {}
+    if endpoint:  # botocore reads AWS_ENDPOINT_URL itself too; explicit here so the cache key is honest
+        client_kwargs["endpoint_url"] = endpoint
+    if region:  # botocore reads only AWS_DEFAULT_REGION
+        client_kwargs["region_name"] = region
+    fs = s3fs.S3FileSystem(
+        skip_instance_cache=True,
+        use_listings_cache=False,
+        client_kwargs=client_kwargs,
+        # botocore's own retry loop off: retries are done here (see Storage.attempts).
+        config_kwargs={"connect_timeout": 10, "read_timeout": 120,
+                       "retries": {"total_max_attempts": 1, "mode": "standard"}},
+    )
+    fs.retries = 1  # s3fs's retry loop off, likewise
+    return fs
 
 
 def custom_endpoint(protocol: str) -> bool:

@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+_URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
+_LOCAL_SCHEMES = ("", "file", "local")
+_OBJECT_SCHEMES = ("gs", "gcs", "s3", "s3a")
 _TMP_MARK = ".harvest-tmp-"  # local temp files carry this; listdir hides them
 
 class Storage:
@@ -79,16 +82,16 @@ class Storage:
         if backoff_cap is not None:
             self.backoff_cap = float(backoff_cap)
         self._exclusive_precheck = exclusive_precheck
-        m = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$", url)
+        m = _URL.match(url)
         scheme = m.group(1).lower() if m else ""
-        if scheme in ("", "file", "local"):
+        if scheme in _LOCAL_SCHEMES:
             path = m.group(2) if m else url
             self.protocol = "file"
             self._root = os.path.abspath(os.path.expanduser(path))
             if len(self._root) > 1:
                 self._root = self._root.rstrip(os.sep)
             self.url = self._root
-        elif scheme in ("gs", "gcs", "s3", "s3a"):
+        elif scheme in _OBJECT_SCHEMES:
             self.protocol = "gs" if scheme in ("gs", "gcs") else "s3"
             rest = m.group(2).strip("/")
             rest = rest.split("@", 1)[1] if "@" in rest.split("/", 1)[0] else rest  # no credentials in URLs
@@ -99,6 +102,12 @@ class Storage:
             self.url = f"{self.protocol}://{rest}"
         else:
             raise StorageError(f"{redact(url)}: unsupported URL scheme {scheme!r}; use a local path, gs:// or s3://")
+
+    @staticmethod
+    def supports(url: str) -> bool:
+        """Whether `url` is one Storage takes: a local path (or file://), gs:// or s3://."""
+        m = _URL.match(url.strip())
+        return (m.group(1).lower() if m else "") in _LOCAL_SCHEMES + _OBJECT_SCHEMES
 
     # --- plumbing ---------------------------------------------------------------------------------------
 

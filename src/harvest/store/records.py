@@ -14,6 +14,8 @@ import typing
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+from harvest.store import format as fmt
+
 R = TypeVar("R", bound="Record")
 
 
@@ -141,8 +143,6 @@ class Sidecar(Record):
     @classmethod
     def of_shard(cls, data: bytes, *, stream: int, shard: int, stats: dict[str, Any], **fields: Any) -> Sidecar:
         """The sidecar of shard bytes `data`: names, size and checksum from them; `stats` as RunningStats."""
-        from harvest.store import format as fmt
-
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
                    file=fmt.shard_stem(shard) + ".safetensors", bytes=len(data), sha256=fmt.sha256(data),
                    stats={name: s.to_json() for name, s in stats.items()}, **fields)
