@@ -1,10 +1,15 @@
-"""Per-shard running stats: exact float64 mean and M2 whatever the tensor's size, in bounded memory."""
+"""Per-shard running stats: float64 mean and M2 within float32 rounding of the all-float64 definition,
+whatever the tensor's size, in bounded memory; shard bytes exactly as safetensors writes them."""
 
+import json
 import tracemalloc
 
 import ml_dtypes
 import numpy as np
+import pytest
+from safetensors.numpy import save
 
+from harvest.store import format as fmt
 from harvest.store.format import RunningStats
 
 
@@ -15,17 +20,31 @@ def _whole(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, ((x - mean) ** 2).sum(axis=0)
 
 
-def test_chunked_stats_equal_the_whole_tensor_bit_for_bit():
+def test_stats_equal_the_float64_definition_within_float32_rounding():
     rng = np.random.default_rng(0)
-    for rows, width, dtype in ((1, 4, np.float32), (7, 3, ml_dtypes.bfloat16), (70_001, 48, ml_dtypes.bfloat16)):
-        values = (rng.standard_normal((rows, width)) * 5 + 2).astype(dtype)
+    for rows, width, dtype in ((1, 4, np.float32), (7, 3, ml_dtypes.bfloat16), (70_001, 48, ml_dtypes.bfloat16),
+                               (3_000, 16, np.float16)):
+        # residual streams have dimensions whose mean dwarfs their spread: M2 must not cancel away
+        values = (rng.standard_normal((rows, width)) * 5 + np.linspace(-300, 300, width)).astype(dtype)
         stats = RunningStats.of(values)
         mean, m2 = _whole(values)
         assert stats.count == rows
-        np.testing.assert_array_equal(stats.mean, mean)
-        np.testing.assert_array_equal(stats.m2, m2)
+        np.testing.assert_allclose(stats.mean, mean, rtol=1e-6, atol=1e-6 * np.abs(mean).max())
+        np.testing.assert_allclose(stats.m2, m2, rtol=1e-5, atol=1e-5 * m2.max() + 1e-12)
+        again = RunningStats.of(values.copy())
+        np.testing.assert_array_equal(again.mean, stats.mean)  # a pure function: a rerun repeats it bit for bit
+        np.testing.assert_array_equal(again.m2, stats.m2)
     empty = RunningStats.of(np.zeros((0, 5), ml_dtypes.bfloat16))
     assert empty.count == 0 and empty.mean.shape == (5,)
+
+
+def test_stats_of_shards_merge_to_the_stats_of_their_union():
+    rng = np.random.default_rng(1)
+    values = (rng.standard_normal((5_000, 8)) * 3 + 7).astype(ml_dtypes.bfloat16)
+    merged = RunningStats.of(values[:1_234]).merge(RunningStats.of(values[1_234:]))
+    mean, m2 = _whole(values)
+    np.testing.assert_allclose(merged.mean, mean, rtol=1e-6)
+    np.testing.assert_allclose(merged.m2, m2, rtol=1e-5)
 
 
 def test_stats_of_a_512mb_tensor_allocate_at_most_64mb():
@@ -40,3 +59,21 @@ def test_stats_of_a_512mb_tensor_allocate_at_most_64mb():
     assert peak <= 64 * 2**20, f"{peak / 2**20:.0f} MiB allocated"
     expected = np.full(2**10, (3 * 87382 + (2**18 - 87382)) / 2**18)
     np.testing.assert_allclose(stats.mean, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_shard_parts_are_the_bytes_safetensors_writes(dtype):
+    rng = np.random.default_rng(2)
+    acts = {f"resid_post.{k}": rng.standard_normal((11, 6)).astype(fmt.DTYPES[dtype]) for k in (3, 12, 7)}
+    acts["mlp_out.0"] = rng.standard_normal((11, 4)).astype(fmt.DTYPES[dtype])
+    tokens, lengths, sample_ids, variants = np.arange(11, dtype=np.int32), np.array([4, 7]), np.array([5, 9]), np.array([0, 2], np.int32)
+    parts = fmt.shard_parts(acts, tokens, lengths, sample_ids, variants, metadata={"stream": "3", "shard": "12"})
+    offsets = np.array([0, 4, 11], np.int64)
+    fields = {"format": "harvest", "format_version": str(fmt.FORMAT_VERSION), "shard": "12", "stream": "3"}
+    expected = save({**acts, "tokens": tokens, "offsets": offsets, "sample_ids": sample_ids.astype(np.int64),
+                     "variants": variants}, metadata={"harvest": json.dumps(fields, sort_keys=True)})
+    assert b"".join(parts) == expected
+    assert fmt.sha256(parts) == fmt.sha256(expected)
+    empty = fmt.shard_parts({"resid_post.0": np.zeros((0, 6), fmt.DTYPES[dtype])}, np.zeros(0, np.int32),
+                            np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), metadata={})
+    assert fmt.decode_shard(b"".join(empty))["resid_post.0"].shape == (0, 6)

@@ -2,6 +2,9 @@
 numpy, storage dtype) and closes a shard before the piece that would overflow `shard_bytes`, so
 boundaries depend only on the stream, the tensors, the dtype and the shard size, never on batch size,
 mesh or host count. Closed shards go to harvest.store.commit.Committer.
+
+Each piece's activations are copied once, from the batch into the shard's own buffers (sized for a
+full shard up front): no per-piece copies, no concatenation at close.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ class ShardWriter:
         self.shard = resume.shard
         self.committed = resume.next
         self.start = resume.next
-        self.waiting: dict[fmt.Position, dict[str, np.ndarray]] = {}  # pieces of the current block, by position
+        # Pieces of the current block, by position: views into their batches until the block's last row.
+        self.waiting: dict[fmt.Position, dict[str, np.ndarray]] = {}
         self._reset()
 
     def _reset(self) -> None:
-        self.blocks: dict[str, list[np.ndarray]] = {name: [] for name in self.widths}
+        self.filled = 0  # tokens in the shard buffers
+        self.buffers = self._allocate(max(1, self.shard_bytes // self.token_bytes))
         self.token_blocks: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.sample_ids: list[int] = []
@@ -43,13 +48,12 @@ class ShardWriter:
         self.bytes = 0
 
     def add_row(self, row: Row, values: dict[str, np.ndarray]) -> list[ClosedShard]:
-        """Take a row; `values[name]` is [row.used, width]. Its pieces wait (copied out of the batch, so the
-        batch's arrays are freed) until their block's last row, the one carrying `row.block`, arrives; then
+        """Take a row; `values[name]` is [row.used, width]. Its pieces wait (as views: a block's batches stay
+        alive until its last row) until their block's last row, the one carrying `row.block`, arrives; then
         they go in in stream order. Returns shards closed on the way."""
         for piece, offset in row.events:
             if piece.pos >= self.committed:  # else already in a committed shard (a resume re-packs its block)
-                self.waiting[piece.pos] = {name: v[offset : offset + len(piece.tokens)].copy()
-                                           for name, v in values.items()}
+                self.waiting[piece.pos] = {name: v[offset : offset + len(piece.tokens)] for name, v in values.items()}
         closed = []
         for event in row.block or ():
             if event.pos < self.committed:
@@ -69,9 +73,19 @@ class ShardWriter:
                                       records=row.end.records))
         return closed
 
+    def _allocate(self, tokens: int) -> dict[str, np.ndarray]:
+        return {name: np.empty((tokens, width), self.dtype) for name, width in self.widths.items()}
+
     def _add_piece(self, piece: Piece, values: dict[str, np.ndarray]) -> None:
+        end = self.filled + len(piece.tokens)
+        if end > len(next(iter(self.buffers.values()))):  # a piece larger than a shard: it goes alone
+            grown = self._allocate(end)
+            for name, buffer in self.buffers.items():
+                grown[name][: self.filled] = buffer[: self.filled]
+            self.buffers = grown
         for name, block in values.items():
-            self.blocks[name].append(block)
+            self.buffers[name][self.filled : end] = block
+        self.filled = end
         self.token_blocks.append(piece.tokens)
         self.lengths.append(len(piece.tokens))
         self.sample_ids.append(piece.sample_id)
@@ -83,8 +97,8 @@ class ShardWriter:
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,
-            tensors={name: _concat(blocks, (0, self.widths[name]), self.dtype) for name, blocks in self.blocks.items()},
-            tokens=_concat(self.token_blocks, (0,), np.int32),
+            tensors={name: buffer[: self.filled] for name, buffer in self.buffers.items()},
+            tokens=np.concatenate(self.token_blocks) if self.token_blocks else np.zeros(0, np.int32),
             lengths=np.asarray(self.lengths, np.int64),
             sample_ids=np.asarray(self.sample_ids, np.int64),
             variants=np.asarray(self.variants, np.int32),
@@ -101,7 +115,3 @@ class ShardWriter:
         self._reset()
         return shard
 
-
-def _concat(blocks: list[np.ndarray], empty_shape: tuple[int, ...], dtype) -> np.ndarray:
-    """Blocks joined; an empty shard (a stream whose tail was all skipped) still has the run's dtype."""
-    return np.concatenate(blocks) if blocks else np.zeros(empty_shape, dtype)

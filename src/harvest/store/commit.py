@@ -6,7 +6,9 @@ dropped); `resume_point` reads back where each stream stands.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import queue
 import re
 import threading
@@ -86,6 +88,10 @@ class Committer:
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *,
                  guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
+        # A shard's stats (per tensor) and checksum run here, beside its data write: one stream's shards
+        # use every core, not one (numpy and hashlib let go of the GIL).
+        self._work = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                                           thread_name_prefix="commit-work")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
         self.failure: BaseException | None = None
@@ -116,6 +122,7 @@ class Committer:
             q.put(None)
         for thread in self._threads:
             thread.join()
+        self._work.shutdown()
         self.check()
 
     def _run(self, q: queue.Queue) -> None:
@@ -137,19 +144,21 @@ class Committer:
         return error
 
     def _commit(self, shard: ClosedShard) -> None:
-        data = fmt.encode_shard(
+        parts = fmt.shard_parts(
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        manifest = Sidecar.of_shard(
-            data, stream=shard.stream, shard=shard.shard, start=shard.start, next=shard.next,
-            row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
-            stats={name: fmt.RunningStats.of(values) for name, values in shard.tensors.items()},
-            skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
-        )
+        digest = self._work.submit(fmt.sha256, parts)
+        stats = {name: self._work.submit(fmt.RunningStats.of, values) for name, values in shard.tensors.items()}
         base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
         self.guard(shard.stream)
-        self.storage.write_bytes(base + ".safetensors", data)
+        self.storage.write_bytes(base + ".safetensors", parts)
+        manifest = Sidecar.of_shard(
+            parts, digest=digest.result(), stream=shard.stream, shard=shard.shard, start=shard.start,
+            next=shard.next, row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
+            stats={name: future.result() for name, future in stats.items()},
+            skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
+        )
         self.guard(shard.stream)
         self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
         self.guard(shard.stream)

@@ -27,12 +27,11 @@ import dataclasses
 import hashlib
 import json
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
 import numpy as np
 import safetensors
-from safetensors.numpy import save as st_save
 
 FORMAT_VERSION = 1
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -53,19 +52,21 @@ def tensor_name(point: str, layer: int) -> str:
 Position = tuple[int, int]  # (index in stream, variant)
 
 
-def encode_shard(
+def shard_parts(
     activations: dict[str, np.ndarray],
     tokens: np.ndarray,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
     variants: np.ndarray,
     metadata: dict[str, str],
-) -> bytes:
-    """Shard bytes; deterministic for the same inputs (safetensors orders tensors by name)."""
+) -> list[bytes | np.ndarray]:
+    """A shard's bytes as parts to write one after another: the safetensors header, then each tensor's own
+    buffer (no copy into one blob). Byte for byte what `safetensors.numpy.save` writes (tests hold them equal):
+    tensors by dtype, widest first, then by name; the header JSON compact and space-padded to 8 bytes."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     tensors = {
-        **activations,
+        **{name: np.ascontiguousarray(a) for name, a in activations.items()},
         "tokens": np.ascontiguousarray(tokens, np.int32),
         "offsets": offsets,
         "sample_ids": np.ascontiguousarray(sample_ids, np.int64),
@@ -73,7 +74,20 @@ def encode_shard(
     }
     # safetensors keeps metadata in a hash map whose order varies run to run: one key keeps the bytes stable.
     fields = {"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata}
-    return st_save(tensors, metadata={"harvest": json.dumps(fields, sort_keys=True)})
+    header: dict[str, Any] = {"__metadata__": {"harvest": json.dumps(fields, sort_keys=True)}}
+    ordered = sorted(tensors.items(), key=lambda item: (_WRITE_ORDER[_tag(item[1])], item[0]))
+    at = 0
+    for name, array in ordered:
+        header[name] = {"dtype": _tag(array), "shape": list(array.shape), "data_offsets": [at, at + array.nbytes]}
+        at += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)) + text, *(a.reshape(-1).view(np.uint8) for _, a in ordered if a.nbytes)]
+
+
+def encode_shard(*args: Any, **kwargs: Any) -> bytes:
+    """`shard_parts` joined into one bytes object (for small shards and tests)."""
+    return b"".join(shard_parts(*args, **kwargs))
 
 
 # safetensors dtype tags -> numpy: safetensors.numpy.load has no BF16 entry, so shards are decoded here.
@@ -82,6 +96,15 @@ ST_DTYPES = {
     "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
     "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
 }
+
+
+_ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
+# The order safetensors lays tensors out in: its dtype enum, descending (only the dtypes shards hold).
+_WRITE_ORDER = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F16": 4}
+
+
+def _tag(array: np.ndarray) -> str:
+    return _ST_TAGS[array.dtype]
 
 
 def decode_shard(data: bytes) -> dict[str, np.ndarray]:
@@ -117,34 +140,39 @@ def shard_metadata(data: bytes) -> dict[str, str]:
     return fields if isinstance(fields, dict) else {}
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256(data: bytes | list) -> str:
+    """Hex sha256 of bytes, or of parts written one after another."""
+    digest = hashlib.sha256()
+    for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+        digest.update(part)
+    return digest.hexdigest()
 
 
 @dataclasses.dataclass
 class RunningStats:
-    """Per-dimension count, mean and M2 in float64 (Welford/Chan): shards merge exactly, in any order."""
+    """Per-dimension count, mean and M2, kept in float64 (Welford/Chan): shards merge exactly, in any order."""
 
     count: int
     mean: np.ndarray
     m2: np.ndarray
 
-    CHUNK_BYTES = 8 * 2**20  # float64 bytes converted at a time: memory stays flat whatever the shard size
+    CHUNK_ROWS = 512  # rows reduced in float32 at a time (in cache); chunks merge in float64
 
     @classmethod
     def of(cls, values: np.ndarray) -> RunningStats:
-        """Exact float64 stats of [n, d] values, converted a chunk of rows at a time.
-
-        Equal, bit for bit, to converting the whole tensor: numpy reduces over the rows of a C-contiguous
-        array one row after another, and each chunk continues that sum from the running total.
+        """Stats of [n, d] values, a chunk of rows at a time: each chunk's mean and M2 (around its own mean)
+        in float32 while it sits in cache (bf16 widens to float32 exactly, by a shift of its bits), chunks
+        merged in float64. Within float32 rounding of the all-float64 definition (a test bounds it), ~6x as
+        fast, memory flat whatever the shard size; a pure function of the values (reruns repeat it exactly).
         """
         n, d = values.shape
-        if n == 0:
-            return cls(0, np.zeros(d), np.zeros(d))
-        rows = max(1, cls.CHUNK_BYTES // (8 * d))
-        total = _row_sum(values, rows, lambda chunk: chunk)
-        mean = total / n
-        return cls(n, mean, _row_sum(values, rows, lambda chunk: (chunk - mean) ** 2))
+        stats = cls(0, np.zeros(d), np.zeros(d))
+        for chunk in _float32_chunks(values, cls.CHUNK_ROWS):
+            mean = chunk.sum(axis=0) / np.float32(len(chunk))
+            np.subtract(chunk, mean, out=chunk)
+            m2 = np.einsum("ij,ij->j", chunk, chunk)  # squares summed without a second pass over memory
+            stats = stats.merge(cls(len(chunk), mean.astype(np.float64), m2.astype(np.float64)))
+        return stats
 
     def merge(self, other: RunningStats) -> RunningStats:
         n = self.count + other.count
@@ -167,10 +195,16 @@ class RunningStats:
         return cls(int(obj["count"]), np.asarray(obj["mean"], np.float64), np.asarray(obj["m2"], np.float64))
 
 
-def _row_sum(values: np.ndarray, rows: int, f) -> np.ndarray:
-    """sum over rows of f(rows as float64), `rows` at a time, in the order a single reduction would add them."""
-    total = None
-    for start in range(0, len(values), rows):
-        chunk = f(np.asarray(values[start:start + rows], np.float64))
-        total = chunk.sum(axis=0) if total is None else np.add.reduce(np.vstack([total[None], chunk]), axis=0)
-    return total
+def _float32_chunks(values: np.ndarray, rows: int) -> Iterator[np.ndarray]:
+    """`values` as float32, `rows` at a time, in one reused buffer (the caller may overwrite it)."""
+    values = np.ascontiguousarray(values)
+    n, d = values.shape
+    buffer = np.empty((min(rows, n), d), np.float32)
+    bits = values.view(np.uint16) if values.dtype == DTYPES["bfloat16"] else None
+    for start in range(0, n, rows):
+        out = buffer[: min(rows, n - start)]
+        if bits is not None:  # bf16 is the top half of a float32: widening is a shift, exact
+            np.left_shift(bits[start : start + len(out)], 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            out[...] = values[start : start + len(out)]
+        yield out

@@ -53,6 +53,7 @@ __all__ = ["Storage", "StorageError", "StorageNotFoundError", "Versioned", "is_t
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Buffer = Any  # anything with the buffer protocol: bytes, memoryview, a contiguous numpy array
 
 _URL = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://(.*)$")
 _LOCAL_SCHEMES = ("", "file", "local")
@@ -344,14 +345,16 @@ class Storage:
 
     # --- writes -----------------------------------------------------------------------------------------
 
-    def write_bytes(self, rel: str, data: bytes | bytearray | memoryview) -> None:
-        """Write `rel` whole: a reader sees the old content, or the new, never a part (retried as needed)."""
+    def write_bytes(self, rel: str, data: Buffer | list[Buffer]) -> None:
+        """Write `rel` whole: a reader sees the old content, or the new, never a part (retried as needed).
+        `data` may be a list of parts written one after another (a local file never joins them in memory)."""
         self._check_rel(rel)
+        parts = data if isinstance(data, list) else [data]
         if self.is_local:
-            self._retry("write", rel, lambda: self._local_write(self.path(rel), data))
+            self._retry("write", rel, lambda: self._local_write(self.path(rel), parts))
             return
         fs, path = self.fs, self.path(rel)
-        payload = data if isinstance(data, bytes) else bytes(data)
+        payload = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
         # One object PUT (or a resumable/multipart upload, finalised at the end): atomic by itself.
         self._retry("write", rel, lambda: self._put(fs, path, payload, create=False))
 
@@ -577,9 +580,10 @@ class Storage:
         return os.path.join(d, f".{base}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:12]}")
 
     @staticmethod
-    def _write_synced(path: str, data: bytes | bytearray | memoryview, mode: str) -> None:
+    def _write_synced(path: str, parts: list[Buffer], mode: str) -> None:
         with open(path, mode) as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
 
@@ -592,12 +596,12 @@ class Storage:
             finally:
                 os.close(fd)
 
-    def _local_write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+    def _local_write(self, path: str, parts: list[Buffer]) -> None:
         d = os.path.dirname(path)
         os.makedirs(d, exist_ok=True)
         tmp = self._tmp_name(path)
         try:
-            self._write_synced(tmp, data, "xb")
+            self._write_synced(tmp, parts, "xb")
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -613,7 +617,7 @@ class Storage:
             return False
         tmp: str | None = self._tmp_name(path)
         try:
-            self._write_synced(tmp, data, "xb")
+            self._write_synced(tmp, [data], "xb")
             fd = os.open(d, os.O_RDONLY)
             try:
                 _flock(fd)
@@ -642,7 +646,7 @@ class Storage:
             return False
         tmp = self._tmp_name(path)
         try:
-            self._write_synced(tmp, data, "xb")
+            self._write_synced(tmp, [data], "xb")
             try:
                 os.link(tmp, path)  # atomic, and fails if `path` exists: O_EXCL with complete content
             except FileExistsError:
@@ -653,7 +657,7 @@ class Storage:
                 # A filesystem without hard links (some FUSE/SMB mounts): plain O_EXCL. The name is then
                 # visible a moment before its content is complete.
                 try:
-                    self._write_synced(path, data, "xb")
+                    self._write_synced(path, [data], "xb")
                 except FileExistsError:
                     return False
         finally:

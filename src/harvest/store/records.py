@@ -141,10 +141,13 @@ class Sidecar(Record):
     records: int
 
     @classmethod
-    def of_shard(cls, data: bytes, *, stream: int, shard: int, stats: dict[str, Any], **fields: Any) -> Sidecar:
-        """The sidecar of shard bytes `data`: names, size and checksum from them; `stats` as RunningStats."""
+    def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any],
+                 digest: str | None = None, **fields: Any) -> Sidecar:
+        """The sidecar of shard bytes `data` (or its parts, as format.shard_parts gives them): names, size and
+        checksum (`digest`, when already computed) from them; `stats` as RunningStats."""
+        size = sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
-                   file=fmt.shard_stem(shard) + ".safetensors", bytes=len(data), sha256=fmt.sha256(data),
+                   file=fmt.shard_stem(shard) + ".safetensors", bytes=size, sha256=digest or fmt.sha256(data),
                    stats={name: s.to_json() for name, s in stats.items()}, **fields)
 
     @classmethod
