@@ -127,7 +127,7 @@ def stage_rates(args, root: Path) -> dict[str, float]:
     tensors = timed("slice rows + concatenate into a shard",
                     lambda: {n: np.concatenate([block_bf16[j, a : a + 256] for a in range(0, tokens, 256)])
                              for j, n in enumerate(names)})
-    timed("running stats (count, mean, M2; fp32 chunks, fp64 totals)",
+    timed("running stats (count, mean, M2, exact fp64)",
           lambda: [fmt.RunningStats.of(v) for v in tensors.values()])
     parts = timed("safetensors header + parts (tensors stay in their buffers)",
                   lambda: fmt.shard_parts(tensors, np.zeros(tokens, np.int32), lengths, np.arange(len(lengths)),

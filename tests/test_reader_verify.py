@@ -235,9 +235,8 @@ def test_merged_stats_equal_numpy_over_all_tokens(run):
         stats = r.stats(name)
         values = run.all_acts(name).astype(np.float64)
         assert stats.count == len(values)
-        # per-shard stats are float32 within chunks (harvest.store.format.RunningStats), merged in float64
-        np.testing.assert_allclose(stats.mean, values.mean(axis=0), rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(stats.var, values.var(axis=0, ddof=1), rtol=1e-5, atol=0)
+        np.testing.assert_allclose(stats.mean, values.mean(axis=0), rtol=1e-12, atol=0)
+        np.testing.assert_allclose(stats.var, values.var(axis=0, ddof=1), rtol=1e-12, atol=0)
     with pytest.raises(KeyError, match="holds"):
         r.stats("resid_post.7")
 
