@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -81,12 +82,12 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def restored_params(out: Path, step: int | None = None) -> dict:
+def restored_params(out: Path | str, step: int | None = None) -> dict:
     import jax
 
     from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
 
-    checkpoints = Checkpoints(str(out / CHECKPOINTS), every=1, keep=1, read_only=True)
+    checkpoints = Checkpoints(f"{out}/{CHECKPOINTS}", every=1, keep=1, read_only=True)
     params = jax.device_get(checkpoints.restore_params(step if step is not None else checkpoints.latest_step()))
     checkpoints.close()
     return params
@@ -373,28 +374,58 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="orbax-checkpoint 0.12.8 turns the s3:// checkpoint directory into "
-                   "'s3:/bucket/...' on its tensorstore path and refuses it: 'Checkpoint path should be absolute'")
-def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, tmp_path, monkeypatch):
-    """A run in a bucket (moto's S3 server): orbax writes there, a rerun finds the checkpoint, export reads it.
-    (Not GCS here: tensorstore, which writes orbax's arrays, ignores STORAGE_EMULATOR_HOST and would go to
-    the real GCS; its own TENSORSTORE_GCS_HTTP_URL is not tried yet.)"""
+@pytest.mark.parametrize("backend", ["s3", "gs"])
+def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, text_data, tokenizer_dir,
+                                                                      tmp_path, monkeypatch, capsys):
+    """A run in a bucket (moto's S3 server, the GCS emulator): 2 steps on one "machine", 2 more on another
+    whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one complete step; status and
+    export read the bucket; a damaged file in the bucket is one line, exit 2."""
+    from rich.console import Console
     from safetensors.numpy import load_file
 
-    from harvest.train.export import export
+    from harvest.cli import main
+    from harvest.model.config import ModelConfig
+    from harvest.model.weights import to_hf
+    from harvest.store import step_parts
+    from harvest.store.fs import Storage
+    from harvest.store.records import CheckpointPart
+    from harvest.store.report import status_table
 
-    monkeypatch.chdir(tmp_path)  # where orbax's mangled 's3:/...' path lands today, as a local directory
-    url = s3_url
-    ckpt = ref.build_checkpoint("llama", tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
-    settings = dict(model=str(ckpt), tokenizer=str(tokenizer_dir), data=str(text_data), out=url, seq_len=64,
-                    batch_size=8, steps=0)
-    assert train(**settings)["step"] == 0
-    assert train(**settings)["step"] == 0  # resumed from the bucket: nothing left to do
-    export(url, tmp_path / "export")
-    given, exported = load_file(str(ckpt / "model.safetensors")), load_file(str(tmp_path / "export/model.safetensors"))
-    assert set(exported) == set(given)
-    for name, value in given.items():
+    url = request.getfixturevalue(f"{backend}_url")
+    settings = dict(shape=TINY_SHAPE, tokenizer=str(tokenizer_dir), data=str(text_data), seq_len=64, batch_size=8,
+                    lr=3e-3, warmup=1, schedule="constant", checkpoint_every=2, keep=1, log_every=1, remat="none")
+    reference = train(**settings, out=str(tmp_path / "reference"), steps=4)
+    for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
+        monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
+        assert train(**settings, out=url, steps=steps)["step"] == steps
+    assert not any((tmp_path / "machine-b").rglob("*.zarray")), "the staging outlived the run"
+    checkpoints = Storage(url).child("checkpoints")
+    assert step_parts.steps_present(checkpoints) == step_parts.complete_steps(checkpoints) == [4]
+    ours = restored_params(url)
+    assert_trees_close(ours, restored_params(reference["out"]), rtol=1e-6)
+    assert [json.loads(line)["step"] for line in Storage(url).read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3, 4]
+    console = Console(width=200, record=True)
+    console.print(status_table(url))
+    assert re.search(r"\b4/\d.* 4 ", console.export_text())  # step 4 of a run made for 2, then 4; checkpoint 4
+
+    assert main(["train", "export", url, "--out", str(tmp_path / "export")]) == 0
+    capsys.readouterr()
+    model = ModelConfig.from_hf(TINY_SHAPE, "test")
+    exported = load_file(str(tmp_path / "export/model.safetensors"))
+    for name, value in to_hf(ours, model).items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+    part = checkpoints.child("4/process_00000")
+    chunk = next(e["name"] for e in CheckpointPart.from_bytes(
+        checkpoints.read_bytes("4/process_00000.json")).files if e["name"].startswith("state/params."))
+    original = part.read_bytes(chunk)
+    for damage, expected in ((lambda: part.write_bytes(chunk, original[:-1] + bytes([original[-1] ^ 1])),
+                              "differ from what process_00000.json recorded"),
+                             (lambda: part.delete(chunk), "missing, though process_00000.json lists it")):
+        damage()
+        assert main(["train", "export", url, "--out", str(tmp_path / f"export-{len(expected)}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and chunk in err[0], err
 
 
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
