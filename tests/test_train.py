@@ -374,6 +374,10 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
     assert not out.exists()
 
 
+BUCKET_RUN = dict(shape=TINY_SHAPE, seq_len=64, batch_size=8, lr=3e-3, warmup=1, schedule="constant", checkpoint_every=2,
+                  keep=1, log_every=1, remat="none")
+
+
 @pytest.mark.parametrize("backend", ["s3", "gs"])
 def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, text_data, tokenizer_dir,
                                                                       tmp_path, monkeypatch, capsys):
@@ -391,9 +395,8 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
     from harvest.store.records import CheckpointPart
     from harvest.store.report import status_table
 
-    url = request.getfixturevalue(f"{backend}_url")
-    settings = dict(shape=TINY_SHAPE, tokenizer=str(tokenizer_dir), data=str(text_data), seq_len=64, batch_size=8,
-                    lr=3e-3, warmup=1, schedule="constant", checkpoint_every=2, keep=1, log_every=1, remat="none")
+    url = request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[backend])
+    settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
     reference = train(**settings, out=str(tmp_path / "reference"), steps=4)
     for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
         monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
@@ -426,6 +429,30 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
         assert main(["train", "export", url, "--out", str(tmp_path / f"export-{len(expected)}")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected in err[0] and chunk in err[0], err
+
+
+@pytest.mark.slow
+def test_two_processes_checkpoint_into_s3_and_resume(s3_url, text_data, tokenizer_dir, tmp_path):
+    """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
+    bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
+    from harvest.store import step_parts
+    from harvest.store.fs import Storage
+
+    flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in BUCKET_RUN.items()]
+    base = ["train", *flags, "--tokenizer", str(tokenizer_dir), "--data", str(text_data), "--out", s3_url,
+            "--num-processes", "2"]
+    for steps in (2, 4):
+        address = f"127.0.0.1:{free_port()}"
+        codes = run_processes([harvest_cmd(*base, "--steps", str(steps), "--coordinator", address, "--process-id",
+                                           str(pid)) for pid in range(2)], two_process_env(tmp_path), tmp_path)
+        logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+        assert codes == [0, 0], [log[-3000:] for log in logs]
+    assert "step 3/4" in logs[0] and "step 2/4" not in logs[0], logs[0]  # resumed at 2
+    parts = step_parts.read_parts(Storage(s3_url).child("checkpoints"), 4)
+    assert [p.process for p in parts] == [0, 1] and all(p.files for p in parts)
+    reference = train(**BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data), out=str(tmp_path / "ref"),
+                      steps=4)
+    assert_trees_close(restored_params(s3_url), restored_params(reference["out"]), rtol=1e-5)
 
 
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
