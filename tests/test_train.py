@@ -103,9 +103,10 @@ def assert_trees_close(ours: dict, theirs: dict, rtol: float):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path):
+def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path, monkeypatch):
     from rich.console import Console
 
+    from harvest.store import report
     from harvest.store.report import status_table
 
     out = tmp_path / "run"
@@ -124,6 +125,15 @@ def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokeniz
     console.print(status_table(str(out)))
     text = console.export_text()
     assert "training llama" in text and "40/40" in text and f"{last:.4f}" in text
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report.time, "sleep", ctrl_c)  # `status --watch` refreshes until Ctrl-C: one refresh here
+    console = Console(width=200, record=True)
+    report.watch(str(out), interval=1, console=console)
+    text = console.export_text()
+    assert "training llama" in text and "40/40" in text
 
 
 @pytest.fixture(scope="module")
@@ -378,9 +388,17 @@ BUCKET_RUN = dict(shape=TINY_SHAPE, seq_len=64, batch_size=8, lr=3e-3, warmup=1,
                   keep=1, log_every=1, remat="none")
 
 
+@pytest.fixture(scope="module")
+def bucket_reference(text_data, tokenizer_dir, tmp_path_factory) -> dict:
+    """The params of BUCKET_RUN's 4 steps straight, on a local path: what every bucket run must end with."""
+    out = tmp_path_factory.mktemp("bucket-reference") / "run"
+    train(**BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data), out=str(out), steps=4)
+    return restored_params(out)
+
+
 @pytest.mark.parametrize("backend", ["s3", "gs"])
-def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, text_data, tokenizer_dir,
-                                                                      tmp_path, monkeypatch, capsys):
+def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, bucket_reference, text_data,
+                                                                      tokenizer_dir, tmp_path, monkeypatch, capsys):
     """A run in a bucket (moto's S3 server, the GCS emulator): 2 steps on one "machine", 2 more on another
     whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one complete step; status and
     export read the bucket; a damaged file in the bucket is one line, exit 2."""
@@ -397,7 +415,6 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
 
     url = request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[backend])
     settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
-    reference = train(**settings, out=str(tmp_path / "reference"), steps=4)
     for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
         monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
         assert train(**settings, out=url, steps=steps)["step"] == steps
@@ -405,7 +422,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
     checkpoints = Storage(url).child("checkpoints")
     assert step_parts.steps_present(checkpoints) == step_parts.complete_steps(checkpoints) == [4]
     ours = restored_params(url)
-    assert_trees_close(ours, restored_params(reference["out"]), rtol=1e-6)
+    assert_trees_close(ours, bucket_reference, rtol=1e-6)
     assert [json.loads(line)["step"] for line in Storage(url).read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3, 4]
     console = Console(width=200, record=True)
     console.print(status_table(url))
@@ -432,7 +449,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
 
 
 @pytest.mark.slow
-def test_two_processes_checkpoint_into_s3_and_resume(s3_url, text_data, tokenizer_dir, tmp_path):
+def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, text_data, tokenizer_dir, tmp_path):
     """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
     bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
     from harvest.store import step_parts
@@ -450,9 +467,7 @@ def test_two_processes_checkpoint_into_s3_and_resume(s3_url, text_data, tokenize
     assert "step 3/4" in logs[0] and "step 2/4" not in logs[0], logs[0]  # resumed at 2
     parts = step_parts.read_parts(Storage(s3_url).child("checkpoints"), 4)
     assert [p.process for p in parts] == [0, 1] and all(p.files for p in parts)
-    reference = train(**BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data), out=str(tmp_path / "ref"),
-                      steps=4)
-    assert_trees_close(restored_params(s3_url), restored_params(reference["out"]), rtol=1e-5)
+    assert_trees_close(restored_params(s3_url), bucket_reference, rtol=1e-5)
 
 
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
