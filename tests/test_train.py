@@ -1,6 +1,7 @@
 """harvest train: the loss falls on real text, a sharded step equals the single-device step (8 devices and
 2 processes x 4), a killed or preempted run resumes to the params of one never interrupted, export loads
-in transformers with harvest's logits, bad input is one line with nothing written, checkpoints on S3."""
+in transformers with harvest's logits, bad input is one line with nothing written, checkpoints in s3://
+and gs:// buckets resume on fresh machines (one process and two)."""
 
 from __future__ import annotations
 

@@ -17,12 +17,14 @@ every process: _CHECKPOINT_METADATA, commit_success.txt (here, in state/ and in 
 data/metadata, state/array_metadatas/process_N and the zarr chunk files of its shards; process 0 alone:
 state/_sharding and each array's .zarray. Orbax's defaults cannot be mirrored: with ocdbt, process 0
 merges every process's ocdbt.process_N into one root manifest and other processes wait for directories
-process 0 creates, both of which need a shared filesystem.
+process 0 creates, both of which need a shared filesystem. (Nor is orbax ever given a bucket URL: 0.12.8
+turns s3:// into a local path, and its tensorstore ignores the GCS emulator.)
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -40,7 +42,22 @@ from harvest.store.fs import Storage
 CHECKPOINTS = "checkpoints"
 
 
+class _MirroredSaveNoise(logging.Filter):
+    """Orbax warns on every save of a mirrored run about what it was asked for (every process primary, no
+    ocdbt): not news to a user watching the terminal."""
+
+    NOISE = ("Global object size logging disabled for `primary_host=None`", "Skipping merge of OCDBT checkpoints")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.NOISE)
+
+
+logging.getLogger("absl").addFilter(_MirroredSaveNoise())
+
+
 class Checkpoints:
+    """A run's checkpoints at `url`: orbax's directory (local) or a staging directory mirrored into the bucket."""
+
     def __init__(self, url: str, *, every: int, keep: int, read_only: bool = False):
         storage = Storage(url)
         self.url = storage.url
@@ -52,16 +69,7 @@ class Checkpoints:
         else:
             self._staging = _staging_dir(self.url, read_only)
             self._complete = step_parts.complete_steps(self._remote)
-        mirrored = self._remote is not None
-        processes = ocp.options.MultiprocessingOptions(primary_host=None) if mirrored \
-            else ocp.options.MultiprocessingOptions()
-        options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep, create=not read_only,
-                                               enable_async_checkpointing=not read_only, read_only=read_only,
-                                               multiprocessing_options=processes)
-        state = ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=processes) if mirrored \
-            else ocp.PyTreeCheckpointHandler()
-        self._manager = ocp.CheckpointManager(str(self._staging), options=options, item_handlers={
-            "state": state, "data": ocp.JsonCheckpointHandler(multiprocessing_options=processes)})
+        self._manager = _manager(self._staging, every, keep, read_only, mirrored=self._remote is not None)
         self._saved: list[int] = []
         self._upload: threading.Thread | None = None
         self._upload_error: BaseException | None = None
@@ -140,6 +148,17 @@ class Checkpoints:
         if self._upload_error is not None:
             error, self._upload_error = self._upload_error, None
             raise error
+
+
+def _manager(directory: Path, every: int, keep: int, read_only: bool, *, mirrored: bool) -> ocp.CheckpointManager:
+    """Orbax's defaults for a local run; for a mirrored one, every process primary and no ocdbt (see above)."""
+    processes = ocp.options.MultiprocessingOptions(primary_host=None if mirrored else 0)
+    options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep, create=not read_only,
+                                           enable_async_checkpointing=not read_only, read_only=read_only,
+                                           multiprocessing_options=processes)
+    state = ocp.PyTreeCheckpointHandler(use_ocdbt=not mirrored, multiprocessing_options=processes)
+    return ocp.CheckpointManager(str(directory), options=options, item_handlers={
+        "state": state, "data": ocp.JsonCheckpointHandler(multiprocessing_options=processes)})
 
 
 def _staging_dir(url: str, read_only: bool) -> Path:
