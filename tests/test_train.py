@@ -1,12 +1,14 @@
 """harvest train: the loss falls on real text, a sharded step equals the single-device step (8 devices and
 2 processes x 4), a killed or preempted run resumes to the params of one never interrupted, export loads
-in transformers with harvest's logits, bad input is one line with nothing written, checkpoints on S3."""
+in transformers with harvest's logits, bad input is one line with nothing written, checkpoints in s3://
+and gs:// buckets resume on fresh machines (one process and two)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -81,12 +83,12 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def restored_params(out: Path, step: int | None = None) -> dict:
+def restored_params(out: Path | str, step: int | None = None) -> dict:
     import jax
 
     from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
 
-    checkpoints = Checkpoints(str(out / CHECKPOINTS), every=1, keep=1, read_only=True)
+    checkpoints = Checkpoints(f"{out}/{CHECKPOINTS}", every=1, keep=1, read_only=True)
     params = jax.device_get(checkpoints.restore_params(step if step is not None else checkpoints.latest_step()))
     checkpoints.close()
     return params
@@ -102,9 +104,10 @@ def assert_trees_close(ours: dict, theirs: dict, rtol: float):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path):
+def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path, monkeypatch):
     from rich.console import Console
 
+    from harvest.store import report
     from harvest.store.report import status_table
 
     out = tmp_path / "run"
@@ -123,6 +126,15 @@ def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokeniz
     console.print(status_table(str(out)))
     text = console.export_text()
     assert "training llama" in text and "40/40" in text and f"{last:.4f}" in text
+
+    def ctrl_c(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report.time, "sleep", ctrl_c)  # `status --watch` refreshes until Ctrl-C: one refresh here
+    console = Console(width=200, record=True)
+    report.watch(str(out), interval=1, console=console)
+    text = console.export_text()
+    assert "training llama" in text and "40/40" in text
 
 
 @pytest.fixture(scope="module")
@@ -373,28 +385,90 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
     assert not out.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="orbax-checkpoint 0.12.8 turns the s3:// checkpoint directory into "
-                   "'s3:/bucket/...' on its tensorstore path and refuses it: 'Checkpoint path should be absolute'")
-def test_checkpoints_in_s3_resume_and_export(s3_url, text_data, tokenizer_dir, tmp_path, monkeypatch):
-    """A run in a bucket (moto's S3 server): orbax writes there, a rerun finds the checkpoint, export reads it.
-    (Not GCS here: tensorstore, which writes orbax's arrays, ignores STORAGE_EMULATOR_HOST and would go to
-    the real GCS; its own TENSORSTORE_GCS_HTTP_URL is not tried yet.)"""
+BUCKET_RUN = dict(shape=TINY_SHAPE, seq_len=64, batch_size=8, lr=3e-3, warmup=1, schedule="constant", checkpoint_every=2,
+                  keep=1, log_every=1, remat="none")
+
+
+@pytest.fixture(scope="module")
+def bucket_reference(text_data, tokenizer_dir, tmp_path_factory) -> dict:
+    """The params of BUCKET_RUN's 4 steps straight, on a local path: what every bucket run must end with."""
+    out = tmp_path_factory.mktemp("bucket-reference") / "run"
+    train(**BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data), out=str(out), steps=4)
+    return restored_params(out)
+
+
+@pytest.mark.parametrize("backend", ["s3", "gs"])
+def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, bucket_reference, text_data,
+                                                                      tokenizer_dir, tmp_path, monkeypatch, capsys):
+    """A run in a bucket (moto's S3 server, the GCS emulator): 2 steps on one "machine", 2 more on another
+    whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one complete step; status and
+    export read the bucket; a damaged file in the bucket is one line, exit 2."""
+    from rich.console import Console
     from safetensors.numpy import load_file
 
-    from harvest.train.export import export
+    from harvest.cli import main
+    from harvest.model.config import ModelConfig
+    from harvest.model.weights import to_hf
+    from harvest.store import step_parts
+    from harvest.store.fs import Storage
+    from harvest.store.records import CheckpointPart
+    from harvest.store.report import status_table
 
-    monkeypatch.chdir(tmp_path)  # where orbax's mangled 's3:/...' path lands today, as a local directory
-    url = s3_url
-    ckpt = ref.build_checkpoint("llama", tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
-    settings = dict(model=str(ckpt), tokenizer=str(tokenizer_dir), data=str(text_data), out=url, seq_len=64,
-                    batch_size=8, steps=0)
-    assert train(**settings)["step"] == 0
-    assert train(**settings)["step"] == 0  # resumed from the bucket: nothing left to do
-    export(url, tmp_path / "export")
-    given, exported = load_file(str(ckpt / "model.safetensors")), load_file(str(tmp_path / "export/model.safetensors"))
-    assert set(exported) == set(given)
-    for name, value in given.items():
+    url = request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[backend])
+    settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
+    for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
+        monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
+        assert train(**settings, out=url, steps=steps)["step"] == steps
+    assert not any((tmp_path / "machine-b").rglob("*.zarray")), "the staging outlived the run"
+    checkpoints = Storage(url).child("checkpoints")
+    assert step_parts.steps_present(checkpoints) == step_parts.complete_steps(checkpoints) == [4]
+    ours = restored_params(url)
+    assert_trees_close(ours, bucket_reference, rtol=1e-6)
+    assert [json.loads(line)["step"] for line in Storage(url).read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3, 4]
+    console = Console(width=200, record=True)
+    console.print(status_table(url))
+    assert re.search(r"\b4/\d.* 4 ", console.export_text())  # step 4 of a run made for 2, then 4; checkpoint 4
+
+    assert main(["train", "export", url, "--out", str(tmp_path / "export")]) == 0
+    capsys.readouterr()
+    model = ModelConfig.from_hf(TINY_SHAPE, "test")
+    exported = load_file(str(tmp_path / "export/model.safetensors"))
+    for name, value in to_hf(ours, model).items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+    part = checkpoints.child("4/process_00000")
+    chunk = next(e["name"] for e in CheckpointPart.from_bytes(
+        checkpoints.read_bytes("4/process_00000.json")).files if e["name"].startswith("state/params."))
+    original = part.read_bytes(chunk)
+    for damage, expected in ((lambda: part.write_bytes(chunk, original[:-1] + bytes([original[-1] ^ 1])),
+                              "differ from what process_00000.json recorded"),
+                             (lambda: part.delete(chunk), "missing, though process_00000.json lists it")):
+        damage()
+        assert main(["train", "export", url, "--out", str(tmp_path / f"export-{len(expected)}")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and chunk in err[0], err
+
+
+@pytest.mark.slow
+def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, text_data, tokenizer_dir, tmp_path):
+    """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
+    bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
+    from harvest.store import step_parts
+    from harvest.store.fs import Storage
+
+    flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in BUCKET_RUN.items()]
+    base = ["train", *flags, "--tokenizer", str(tokenizer_dir), "--data", str(text_data), "--out", s3_url,
+            "--num-processes", "2"]
+    for steps in (2, 4):
+        address = f"127.0.0.1:{free_port()}"
+        codes = run_processes([harvest_cmd(*base, "--steps", str(steps), "--coordinator", address, "--process-id",
+                                           str(pid)) for pid in range(2)], two_process_env(tmp_path), tmp_path)
+        logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+        assert codes == [0, 0], [log[-3000:] for log in logs]
+    assert "step 3/4" in logs[0] and "step 2/4" not in logs[0], logs[0]  # resumed at 2
+    parts = step_parts.read_parts(Storage(s3_url).child("checkpoints"), 4)
+    assert [p.process for p in parts] == [0, 1] and all(p.files for p in parts)
+    assert_trees_close(restored_params(s3_url), bucket_reference, rtol=1e-5)
 
 
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):

@@ -22,6 +22,7 @@ from rich.text import Text
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
+from harvest.store import step_parts
 from harvest.store.fs import Storage
 from harvest.store.reader import (
     covered_streams,
@@ -169,7 +170,7 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
         return None
     lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
     last = json.loads(lines[-1]) if lines else {}
-    steps = sorted(int(n) for n in storage.listdir("checkpoints") if n.isdigit()) if storage.exists("checkpoints") else []
+    steps = _checkpoint_steps(storage.child("checkpoints"))
     config = info.get("config") or {}
     table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
                         f"params) on {info.get('mesh', '?')}", title_justify="left")
@@ -181,6 +182,13 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
                   human_count(last["tokens_per_s"]) if last else "-", f"{last['mfu']:.1%}" if last else "-",
                   ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
     return table
+
+
+def _checkpoint_steps(checkpoints: Storage) -> list[int]:
+    """Local: orbax's step directories. Object storage: the complete steps (every process's marker there)."""
+    if checkpoints.is_local:
+        return sorted(int(n) for n in checkpoints.listdir() if n.isdigit())
+    return step_parts.complete_steps(checkpoints)
 
 
 def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None,
@@ -225,8 +233,12 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
 
 def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None,
           until_done: bool = True) -> None:
-    """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C)."""
+    """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C). A training
+    run: its table (training_status), until Ctrl-C."""
     console = console or Console()
+    if training_status(url) is not None:
+        _watch_training(url, interval, console)
+        return
     scanner = RunScanner(url)
     try:
         with Live(status_table(scanner, max_rows=max(console.height - 8, 4)), console=console,
@@ -237,6 +249,16 @@ def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None
                 if until_done and rows and all(r["state"] == "done" for r in rows):
                     return
                 time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+
+
+def _watch_training(url: str | Storage, interval: float, console: Console) -> None:
+    try:
+        with Live(training_status(url), console=console, refresh_per_second=4, transient=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(training_status(url))
     except KeyboardInterrupt:
         return
 

@@ -36,20 +36,21 @@ def export(run_url: str, out_dir: str | Path, step: int | None = None,
     if info.get("kind") != "train":
         raise UserError(f"{run.url}: not a training run (its run.json is another kind)")
     checkpoints = Checkpoints(run.url_of(CHECKPOINTS), every=1, keep=1, read_only=True)
-    steps = checkpoints.steps()
-    if not steps:
-        raise UserError(f"{run.url}: no checkpoint yet")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise UserError(f"--step {step}: {run.url} holds checkpoints of steps {', '.join(map(str, steps))}")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: exists and is not empty; give a new directory")
-
-    model = ModelConfig.from_hf(info["hf_config"], "run.json hf_config")
-    params = jax.device_get(checkpoints.restore_params(step))
-    checkpoints.close()
+    try:
+        steps = checkpoints.steps()
+        if not steps:
+            raise UserError(f"{run.url}: no checkpoint yet")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise UserError(f"--step {step}: {run.url} holds checkpoints of steps {', '.join(map(str, steps))}")
+        out = Path(out_dir)
+        if out.exists() and any(out.iterdir()):
+            raise UserError(f"--out {out}: exists and is not empty; give a new directory")
+        model = ModelConfig.from_hf(info["hf_config"], "run.json hf_config")
+        params = jax.device_get(checkpoints.restore_params(step))
+    finally:
+        checkpoints.close()
     tensors = to_hf(params, model)
     out.mkdir(parents=True, exist_ok=True)
     files = _write_safetensors(tensors, out, max_shard_bytes)
