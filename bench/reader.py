@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from harvest.store import format as fmt  # noqa: E402
 from harvest.store.fs import Storage  # noqa: E402
 from harvest.store.reader import open_run  # noqa: E402
-from harvest.store.records import Sidecar  # noqa: E402
+from harvest.store.records import RunInfo, Sidecar  # noqa: E402
 
 HOST = "127.0.0.1"
 
@@ -52,9 +52,12 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
     """A run of about `total_mb`; returns its token count."""
     storage = Storage(url)
     names = {f"resid_post.{i}": width for i in range(tensors)}
-    storage.write_json("run.json", {"format_version": fmt.FORMAT_VERSION, "tensors": names, "dtype": "bfloat16",
-                                    "data": {"num_streams": streams, "counts": None}, "special_token_ids": [],
-                                    "config_sha256": "0" * 64})
+    storage.write_bytes("run.json", RunInfo(
+        format_version=fmt.FORMAT_VERSION, harvest_version="bench", model={"source": "synthetic"},
+        tokenizer_sha256="0" * 64, points=[], tensors=names, dtype="bfloat16", compute_dtype="float32",
+        max_seq_len=2048, long="truncate", format="text", data={"source": "synthetic", "num_streams": streams,
+                                                                "counts": None}, config={}, config_sha256="0" * 64,
+        special_token_ids=[]).to_bytes())
     row = tensors * width * 2 + 4
     per_shard = shard_mb * 2**20 // row
     rng = np.random.default_rng(0)
