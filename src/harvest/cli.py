@@ -277,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="harvest: %(message)s")  # libraries: warnings only
     logging.getLogger("harvest").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
-        return args.run(args)
+        code = args.run(args)
+        if "jax" in sys.modules:
+            from harvest.runtime.distributed import leave
+
+            leave(code)
+        return code
     except UserError as e:
         print(f"harvest: error: {e}", file=sys.stderr)
         if "jax" in sys.modules:  # a multi-host run: the others may be gone, skip JAX's shutdown barrier
