@@ -270,7 +270,8 @@ class FlakyProxy:
 
     `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
     connection refused) for `seconds`, then serves again on the same port. `cut()` resets open
-    connections only. `connections` counts the connections proxied, `outages` the outages started,
+    connections only. `lose_replies(seconds)` lets requests through and drops their replies.
+    `connections` counts the connections proxied, `outages` the outages started,
     `bytes_up` the bytes passed on to the server, `bytes_down` (exact) those passed back to the client.
     """
 
@@ -284,6 +285,7 @@ class FlakyProxy:
         self.outages = 0
         self.bytes_up = 0
         self.bytes_down = 0
+        self._replies_lost_until = 0.0
         self._listener: socket.socket | None = self._listen(0)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"flaky-proxy-{self.port}")
@@ -352,6 +354,11 @@ class FlakyProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if (not up and time.monotonic() < self._replies_lost_until
+                        and not data.startswith(b"HTTP/1.1 100 ")):  # the server acted; its reply dies
+                    _abort(dst)
+                    _abort(src)
+                    break
                 dst.sendall(data)
                 if up:
                     self.bytes_up += len(data)  # approximate under threads; for tests to wait on
@@ -371,6 +378,11 @@ class FlakyProxy:
             socks, self._socks = list(self._socks), set()
         for s in socks:
             _abort(s)
+
+    def lose_replies(self, seconds: float) -> None:
+        """For `seconds`, requests still reach the server but each reply is dropped and its connection reset:
+        the client cannot tell whether its request took effect."""
+        self._replies_lost_until = time.monotonic() + seconds
 
     def outage(self, seconds: float) -> None:
         """Reset all open connections now and refuse new ones for `seconds` (returns at once)."""

@@ -129,6 +129,28 @@ def test_an_unconfirmed_lease_is_confirmed_before_a_write(root):
     assert _read(st, 0).version == version + 1
 
 
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_a_lease_write_whose_reply_was_lost_stays_this_workers(kind, request):
+    """The request lands, its reply is dropped, the retry meets the worker's own record: still its lease."""
+    st = Storage(request.getfixturevalue(f"{kind}_proxy_url"))
+    proxy = request.getfixturevalue(f"{kind}_proxy")
+    errors: list[UserError] = []
+    a = Leases(st, "a", ttl_s=60, on_lost=errors.append)
+    proxy.lose_replies(0.5)
+    a.acquire([0, 1])  # creates whose replies were lost
+    a._stop.set()  # no background heartbeat: the refreshes below are the only writers
+    assert {_read(st, s).worker for s in (0, 1)} == {"a"} and a.held == {0, 1}
+    version = _read(st, 0).version
+    proxy.lose_replies(0.5)
+    a.refresh(0)  # a swap whose reply was lost; its retry fails against the version it wrote
+    a.check(0)
+    assert not errors
+    record = _read(st, 0)
+    assert record.worker == "a" and record.version == version + 1 and a.held == {0, 1}
+    a.release_all()
+    assert all(_read(st, s).released for s in (0, 1))
+
+
 def _proc(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 

@@ -118,6 +118,9 @@ class Leases:
                     return
                 continue  # someone created it meanwhile: look again
             held = _parse(current, self.storage.url_of(rel))
+            if self._wrote(held):  # this process's own create or swap landed, but its reply was lost
+                self._held[stream] = _Held(held, current.token)
+                return
             wait = self._wait_before_taking(stream, held)
             if wait > 0:
                 log.info("stream %d: its lease is held by the same worker id %r on %s (pid %d), which cannot be "
@@ -205,24 +208,40 @@ class Leases:
                         self.check(stream)
 
     def refresh(self, stream: int) -> None:
-        """One heartbeat: a compare-and-swap from the version this worker wrote last to the next one."""
+        """One heartbeat: a compare-and-swap from the version this worker wrote last to the next one.
+
+        A swap whose reply was lost may still have landed; the retry then fails against this process's own
+        record. Read back, a record naming this process is ours (no one else writes that identity): it is
+        adopted and swapped once more, so the confirmation time is that of a write known to have landed.
+        """
         rel = _rel(stream)
         with self._io:
-            held = self._held.get(stream)
-            if held is None:
-                return
-            sent = time.monotonic()  # the lease is fresh from when its heartbeat was written, not acknowledged
-            mine = self._record(held.record.version + 1)
-            if self.storage.replace_if(rel, mine.to_bytes(), held.token):
-                written = self.storage.read_versioned(rel)
-                if written is not None and _parse(written, rel) == mine:
-                    held.record, held.token, held.confirmed = mine, written.token, sent
+            for _ in range(3):
+                held = self._held.get(stream)
+                if held is None:
                     return
-        current = self.storage.read_versioned(rel)
-        holder = _parse(current, rel).describe() if current is not None else "nobody (the lease was deleted)"
+                sent = time.monotonic()  # the lease is fresh from when its heartbeat was written, not acknowledged
+                mine = self._record(held.record.version + 1)
+                self.storage.replace_if(rel, mine.to_bytes(), held.token)
+                current = self.storage.read_versioned(rel)
+                record = _parse(current, rel) if current is not None else None
+                if record == mine:
+                    held.record, held.token, held.confirmed = mine, current.token, sent
+                    return
+                if record is None or not self._wrote(record):
+                    break
+                held.record, held.token = record, current.token
+            else:
+                raise UserError(f"stream {stream}: the replies to its lease heartbeats keep getting lost")
+        holder = record.describe() if record is not None else "nobody (the lease was deleted)"
         self._lose(stream, FencedOut(f"stream {stream} was taken over by {holder} while this worker was "
                                      "stalled or cut off; it stopped writing there (nothing after that moment "
                                      "was committed)"))
+
+    def _wrote(self, record: LeaseRecord) -> bool:
+        """Whether `record` is one this process wrote and did not release (worker id, host, boot and pid)."""
+        return (not record.released and record.worker == self.worker and record.host == self.host
+                and record.boot_id == self.boot and record.pid == self.pid)
 
     # --- giving back ------------------------------------------------------------------------------------
 
