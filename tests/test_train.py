@@ -397,12 +397,11 @@ def bucket_reference(text_data, tokenizer_dir, tmp_path_factory) -> dict:
     return restored_params(out)
 
 
-@pytest.mark.parametrize("backend", ["s3", "gs"])
-def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, request, bucket_reference, text_data,
+def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, bucket_reference, text_data,
                                                                       tokenizer_dir, tmp_path, monkeypatch, capsys):
-    """A run in a bucket (moto's S3 server, the GCS emulator): 2 steps on one "machine", 2 more on another
-    whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one complete step; status and
-    export read the bucket; a damaged file in the bucket is one line, exit 2."""
+    """A run in a bucket (the GCS emulator; S3 through moto: the two-process test below): 2 steps on one
+    "machine", 2 more on another whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one
+    complete step; status and export read the bucket; a damaged file in the bucket is one line, exit 2."""
     from rich.console import Console
     from safetensors.numpy import load_file
 
@@ -414,7 +413,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(backend, r
     from harvest.store.records import CheckpointPart
     from harvest.store.report import status_table
 
-    url = request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[backend])
+    url = gcs_url
     settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
     for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
         monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
