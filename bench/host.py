@@ -134,7 +134,9 @@ def stage_rates(args, root: Path) -> dict[str, float]:
                                           np.zeros(len(lengths), np.int32), {"stream": "0", "shard": "0"}))
     timed("sha256", lambda: fmt.sha256(parts))
     storage = Storage(str(root / "stages"))
-    timed("write (atomic: temp file, fsync, rename)", lambda: storage.write_bytes("shard.safetensors", parts))
+    names = iter(range(2))  # a new file each time, as the job writes (replacing one would also free its pages)
+    timed("write (atomic: temp file, fsync, rename)",
+          lambda: storage.write_bytes(f"shard_{next(names)}.safetensors", parts))
     return rates
 
 

@@ -156,7 +156,7 @@ class RunningStats:
     mean: np.ndarray
     m2: np.ndarray
 
-    CHUNK_ROWS = 256  # rows converted to float64 at a time: measured fastest; memory flat whatever the shard
+    CHUNK_BYTES = 2 << 20  # float64 rows converted at a time: cache-sized, measured fastest for widths 256-4096
 
     @classmethod
     def of(cls, values: np.ndarray) -> RunningStats:
@@ -169,10 +169,11 @@ class RunningStats:
         n, d = values.shape
         if n == 0:
             return cls(0, np.zeros(d), np.zeros(d))
-        total = _row_sum(values, cls.CHUNK_ROWS, lambda rows: None)
+        rows = max(1, cls.CHUNK_BYTES // (8 * d))
+        total = _row_sum(values, rows, lambda chunk: None)
         mean = total / n
-        return cls(n, mean, _row_sum(values, cls.CHUNK_ROWS, lambda rows: np.square(
-            np.subtract(rows, mean, out=rows), out=rows)))
+        return cls(n, mean, _row_sum(values, rows, lambda chunk: np.square(
+            np.subtract(chunk, mean, out=chunk), out=chunk)))
 
     def merge(self, other: RunningStats) -> RunningStats:
         n = self.count + other.count
