@@ -15,6 +15,7 @@ Run:  .venv/bin/python bench/host.py           (~2-3 minutes on 2 CPU cores)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -134,9 +135,9 @@ def stage_rates(args, root: Path) -> dict[str, float]:
                                           np.zeros(len(lengths), np.int32), {"stream": "0", "shard": "0"}))
     timed("sha256", lambda: fmt.sha256(parts))
     storage = Storage(str(root / "stages"))
-    names = iter(range(2))  # a new file each time, as the job writes (replacing one would also free its pages)
+    files = itertools.count()  # a new file each time, as the job writes (replacing one would also free its pages)
     timed("write (atomic: temp file, fsync, rename)",
-          lambda: storage.write_bytes(f"shard_{next(names)}.safetensors", parts))
+          lambda: storage.write_bytes(f"shard_{next(files)}.safetensors", parts))
     return rates
 
 

@@ -64,8 +64,8 @@ class _Held:
     """What this worker knows about a lease it holds: the record it wrote, its token, when it was last
     confirmed (monotonic clock: a stopped or suspended process sees the whole gap)."""
 
-    def __init__(self, record: LeaseRecord, token: str):
-        self.record, self.token, self.confirmed = record, token, time.monotonic()
+    def __init__(self, record: LeaseRecord, token: str, confirmed: float):
+        self.record, self.token, self.confirmed = record, token, confirmed
 
 
 class Leases:
@@ -109,17 +109,19 @@ class Leases:
 
     def _acquire(self, stream: int) -> None:
         rel = _rel(stream)
+        first_sent = None  # when this process first wrote the lease: the freshness of any write of it that landed
         while True:
             current = self.storage.read_versioned(rel)
             if current is None:
                 mine = self._record(1)
+                first_sent = time.monotonic() if first_sent is None else first_sent
                 if self.storage.create_exclusive(rel, mine.to_bytes()):
-                    self._take(stream, mine, rel)
+                    self._take(stream, mine, rel, first_sent)
                     return
                 continue  # someone created it meanwhile: look again
             held = _parse(current, self.storage.url_of(rel))
-            if self._wrote(held):  # this process's own create or swap landed, but its reply was lost
-                self._held[stream] = _Held(held, current.token)
+            if first_sent is not None and self._wrote(held):  # this process's write landed; its reply was lost
+                self._held[stream] = _Held(held, current.token, first_sent)
                 return
             wait = self._wait_before_taking(stream, held)
             if wait > 0:
@@ -129,18 +131,19 @@ class Leases:
                 time.sleep(min(wait, 10.0))
                 continue
             mine = self._record(held.version + 1)
+            first_sent = time.monotonic() if first_sent is None else first_sent
             if self.storage.replace_if(rel, mine.to_bytes(), current.token):
                 if not held.released:
                     log.warning("stream %d: took over the lease of %s", stream, held.describe())
-                self._take(stream, mine, rel)
+                self._take(stream, mine, rel, first_sent)
                 return
             # Another contender won the swap: look again (it is probably held now).
 
-    def _take(self, stream: int, mine: LeaseRecord, rel: str) -> None:
+    def _take(self, stream: int, mine: LeaseRecord, rel: str, sent: float) -> None:
         written = self.storage.read_versioned(rel)
         if written is None or _parse(written, rel) != mine:
             raise FencedOut(f"stream {stream}: the lease changed hands while it was being taken; rerun to retry")
-        self._held[stream] = _Held(mine, written.token)
+        self._held[stream] = _Held(mine, written.token, sent)
 
     def _wait_before_taking(self, stream: int, held: LeaseRecord) -> float:
         """0: the lease may be taken now; > 0: seconds until it may; raises LeaseHeld if it may not."""
