@@ -4,13 +4,13 @@ block-sparse attention.
 A row of 1024 tokens holding 16 short samples needs ~sum(len_i^2) attention scores, not 1024^2. Cut each
 row into blocks of `block` tokens; a query block needs the key blocks from the start of the segment its
 first query belongs to up to itself (padding queries: only their own block). The pairs are listed on the
-host from the segment ids (numpy, no per-token loop), row by row in key order, then padded to one length per
-batch shape, so that a run compiles once; the attention loops over chunks of the list only as far as the
-real pairs go. Padding pairs point at the dummy query block `rows * blocks_per_row`, whose output the
-attention drops.
+host from the segment ids (numpy, no per-token loop), row by row, each query block's keys in order, then
+padded to one length per batch shape (the causal triangle of every row), so that a run compiles once; the
+attention loops over the real pairs only. Padding pairs point at the query block `rows * blocks_per_row`,
+past the last real one.
 
-A row's pairs depend on that row alone, and the attention combines them in the listed order: a row
-rounds the same way whatever rows share its batch (resume re-batches rows and must repeat bit for bit).
+A row's pairs depend on that row alone, and the attention folds them in the listed order: a row rounds
+the same way whatever rows share its batch (resume re-batches rows and must repeat bit for bit).
 """
 
 from __future__ import annotations
@@ -25,14 +25,9 @@ def block_len(seq: int) -> int:
     return BLOCK if seq % BLOCK == 0 else seq
 
 
-def pair_chunk(rows: int, blocks_per_row: int) -> int:
-    """Pairs the attention handles per loop step: half a row's blocks per row."""
-    return max(rows * blocks_per_row // 2, 1)
-
-
 def block_pairs(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(query block, key block) flat indices [P] (row * blocks_per_row + block). P is the same for every batch
-    of this shape (the causal triangle of every row, rounded up to whole chunks): one compiled shape."""
+    of this shape (the causal triangle of every row): one compiled shape."""
     rows, seq = segment_ids.shape
     block = block_len(seq)
     n = seq // block
@@ -49,8 +44,7 @@ def block_pairs(segment_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     offset_in_run = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
     q = np.repeat(row_base + own, counts)
     k = np.repeat(row_base + first_key, counts) + offset_in_run
-    chunk = pair_chunk(rows, n)
-    padded = -(-(rows * n * (n + 1) // 2) // chunk) * chunk
+    padded = rows * n * (n + 1) // 2
     q = np.concatenate([q, np.full(padded - total, rows * n)]).astype(np.int32)
     k = np.concatenate([k, np.zeros(padded - total, np.int64)]).astype(np.int32)
     return q, k

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest.model.blocks import block_len, pair_chunk
+from harvest.model.blocks import block_len
 from harvest.model.config import ModelConfig, RopeConfig
 from harvest.model.points import CapturePlan
 
@@ -76,46 +76,41 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
     """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
     row costs about sum(len_i^2), not seq^2.
 
-    The list has one length per batch shape (one compiled shape); a loop runs over chunks of it only as far
-    as the real pairs go. Each pair yields a partial softmax (max, sum, weighted values); the partials of a
-    query block are merged in list order, so a row's values depend on that row alone."""
+    A loop takes the real pairs one at a time, in list order (each query block's keys in order), and folds
+    each into its query block's running softmax (max, sum, weighted values), flash-attention style: no
+    scatter, no partials held, and each step's matmuls are whole [heads x block, block] products. A query
+    block's result depends on its own row alone, so a row rounds the same way whatever rows share its batch."""
     q_index, k_index = pairs
     batch, seq, heads, dim = q.shape
     groups = k.shape[2]
+    rep = heads // groups
     block = block_len(seq)
     n = batch * seq // block
-    chunk = pair_chunk(batch, seq // block)
+    # Blocks laid out for the matmuls: queries [n, groups, rep * block, dim], keys and values [n, groups, block, dim].
+    qb = q.reshape(n, block, groups, rep, dim).transpose(0, 2, 3, 1, 4).reshape(n, groups, rep * block, dim)
+    kb = k.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
+    vb = v.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
+    position = jnp.broadcast_to(jnp.arange(seq), (batch, seq)).reshape(n, block)
+    segment = segment_ids.reshape(n, block)
 
-    def blocks(x):
-        return x.reshape(n, block, *x.shape[2:])
+    def fold(t, acc):
+        peak, total, values = acc
+        qi, ki = q_index[t], k_index[t]
+        distance = position[qi][:, None] - position[ki][None, :]
+        visible = (segment[qi][:, None] == segment[ki][None, :]) & (distance >= 0) & (distance < window)
+        scores = jnp.einsum("gmd,gkd->gmk", qb[qi], kb[ki]) * scale
+        scores = jnp.where(jnp.tile(visible, (rep, 1)), scores, jnp.asarray(-1e30, scores.dtype))
+        # A query that sees nothing yet holds -1e30 and junk weights; its own key (always seen) rescales them to 0.
+        new_peak = jnp.maximum(peak[qi], scores.max(-1))
+        rescale = jnp.exp(peak[qi] - new_peak)
+        weights = jnp.exp(scores - new_peak[..., None])
+        return (peak.at[qi].set(new_peak), total.at[qi].set(total[qi] * rescale + weights.sum(-1)),
+                values.at[qi].set(values[qi] * rescale[..., None] + jnp.einsum("gmk,gkd->gmd", weights, vb[ki])))
 
-    qb = blocks(q).reshape(n, block, groups, heads // groups, dim)
-    kb, vb = blocks(k), blocks(v)
-    position = blocks(jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
-    segment = blocks(segment_ids)
-
-    def partials(c, acc):
-        at = c * chunk
-        qi = jnp.minimum(jax.lax.dynamic_slice_in_dim(q_index, at, chunk), n - 1)  # dummy block n reads any
-        ki = jax.lax.dynamic_slice_in_dim(k_index, at, chunk)
-        qpos, kpos = position[qi][:, :, None], position[ki][:, None, :]
-        visible = (segment[qi][:, :, None] == segment[ki][:, None, :]) & (qpos >= kpos) & (qpos - kpos < window)
-        scores = jnp.einsum("pqgrd,pkgd->pgrqk", qb[qi], kb[ki]) * scale
-        scores = jnp.where(visible[:, None, None], scores, jnp.asarray(-1e30, scores.dtype))
-        peak = scores.max(-1)
-        weights = jnp.exp(scores - peak[..., None])
-        update = (peak, weights.sum(-1), jnp.einsum("pgrqk,pkgd->pgrqd", weights, vb[ki]))
-        return tuple(jax.lax.dynamic_update_slice_in_dim(a, u, at, 0) for a, u in zip(acc, update))
-
-    shape = (q_index.shape[0], groups, heads // groups, block)
+    shape = (n, groups, rep * block)
     start = (jnp.full(shape, -1e30, q.dtype), jnp.zeros(shape, q.dtype), jnp.zeros((*shape, dim), q.dtype))
-    steps = (jnp.sum(q_index < n) + chunk - 1) // chunk
-    peak, total, values = jax.lax.fori_loop(0, steps, partials, start)
-    merged_peak = jax.ops.segment_max(peak, q_index, n + 1, indices_are_sorted=True)
-    rescale = jnp.exp(peak - merged_peak[q_index])
-    total = jax.ops.segment_sum(total * rescale, q_index, n + 1, indices_are_sorted=True)
-    values = jax.ops.segment_sum(values * rescale[..., None], q_index, n + 1, indices_are_sorted=True)
-    out = (values[:n] / total[:n, ..., None])  # [n, groups, rep, block, dim]; the dummy block n dropped
+    _, total, values = jax.lax.fori_loop(0, jnp.sum(q_index < n), fold, start)
+    out = (values / total[..., None]).reshape(n, groups, rep, block, dim)
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
 
 
