@@ -51,6 +51,7 @@ from harvest.data.batching import pack_stream, stream_pieces
 from harvest.demo import demo_checkpoint
 from harvest.extract import job
 from harvest.model import ModelConfig, load_decoder, parse_points
+from harvest.runtime import cores
 from harvest.runtime.mesh import make_mesh
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be or had it not "
@@ -255,13 +256,17 @@ def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
                         max_length=seq, return_tensors="pt")
               for at in range(0, len(texts), args.hf_batch_size)]
 
-    decoder = load_decoder(model_dir, args.points, make_mesh("data=1"), "float32", out_dtype="bfloat16")
+    # As the job runs on this host: one slot, its batches on the cores' devices in turn (runtime.cores).
+    decoder = load_decoder(model_dir, args.points, make_mesh("data=1", jax.devices()[:1]), "float32",
+                           out_dtype="bfloat16", replicas=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
-    jax.block_until_ready(decoder(*packed[0]))  # compiled before timing (one shape per run)
+    turns = len(decoder.replicas) + 1
+    jax.block_until_ready([decoder(*packed[0]) for _ in range(turns)])  # compiled before timing on every device
+    packed = [packed[at : at + turns] for at in range(0, len(packed), turns)]  # as many at once as take turns
 
-    def harvest_call(batch):
-        jax.block_until_ready(decoder(*batch))
+    def harvest_call(batches):
+        jax.block_until_ready([decoder(*batch) for batch in batches])
 
     @torch.no_grad()
     def hf_call(enc):
@@ -315,6 +320,7 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
 
 def main() -> None:
     args = parse_args()
+    cores.expose_cores(False)  # as `harvest extract` does, before anything starts JAX's backend
     load = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="harvest-bench-"))

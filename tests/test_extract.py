@@ -152,24 +152,28 @@ def test_strict_stops_at_the_first_bad_input(model_dir, tmp_path):
         extract(model_dir, data, tmp_path / "out", strict=True)
 
 
-def extract_on_one_device(model_dir, data, out):
-    """`harvest extract` in a process with one CPU device: the job's own choice of block-sparse attention."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+def extract_on_this_cpu(model_dir, data, out):
+    """`harvest extract` as on a plain CPU host (no XLA_FLAGS): the job's own choices of one slot, block-sparse
+    attention, and the other cores' devices taking batches in turn."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run([sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
                              "--out", str(out), "--points", POINTS, "--dtype", "float32", "--max-seq-len", "128",
                              "--batch-size", "2", "--shard-size", "20KB", "--long", "truncate"],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
+    more = min(os.cpu_count() or 1, 4) - 1  # runtime.cores: a device per core, at most 4
+    assert "devices: data=1 x fsdp=1 x model=1" + (f", and {more} more CPU device" if more else "\n") in result.stdout
 
 
 def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(model_dir, tmp_path):
-    """One device (block-sparse attention over 2 blocks of 64 per row): values equal HF's; the last shards,
-    uncommitted and rewritten by a resume that re-packs their block, have the same bytes."""
+    """A plain CPU host (block-sparse attention over 2 blocks of 64 per row, batches on the cores' devices in
+    turn): values equal HF's; the last shards, uncommitted and rewritten by a resume that re-packs their block
+    (and may run it on another device), have the same bytes."""
     rng = np.random.default_rng(5)
     texts = ["".join(rng.choice(list("abcdefgh ij.,"), rng.integers(3, 200))) for _ in range(24)]
     data = write_jsonl(tmp_path / "data.jsonl", [{"text": t} for t in texts])
     out = tmp_path / "out"
-    extract_on_one_device(model_dir, data, out)
+    extract_on_this_cpu(model_dir, data, out)
     samples = stored_samples(out)
     assert sorted(sid for sid, _ in samples) == list(range(24))
     assert_equal_to_hf(model_dir, samples)
@@ -178,7 +182,7 @@ def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(
     before = [s.with_suffix(".safetensors").read_bytes() for s in sidecars[-2:]]
     for sidecar in sidecars[-2:]:  # as if the run was killed before these two commits
         sidecar.unlink()
-    extract_on_one_device(model_dir, data, out)
+    extract_on_this_cpu(model_dir, data, out)
     assert [s.with_suffix(".safetensors").read_bytes() for s in sidecars[-2:]] == before
     assert verify(str(out)).ok
     shown = subprocess.run([sys.executable, "-m", "harvest", "inspect", str(out)], capture_output=True, text=True,

@@ -146,6 +146,24 @@ def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_
             np.testing.assert_array_equal(apart[key][0], values[0], err_msg=f"{key} with rows {rows}")
 
 
+def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
+    """A one-process CPU run's other cores take batches in turn (runtime.cores): each batch's values must be
+    the same bits on whichever device ran it, and successive calls must alternate devices."""
+    from harvest.model import load_decoder
+
+    ckpt = ref.build_checkpoint("qwen2", tmp_path)
+    ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30]], 256, seed=4)
+    mesh = make_mesh("data=1", jax.devices()[:1])
+    decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, "float32")
+    decoder = type(decoder)(decoder.cfg, decoder.plan, decoder.params, mesh, replicas=jax.devices()[1:3])
+    assert decoder.block_sparse and "2 more CPU devices taking batches in turn" in decoder.describe()
+    calls = [decoder(ids, segments) for _ in range(3)]
+    assert [next(iter(c.values())).devices() for c in calls] == [{d} for d in jax.devices()[:3]]
+    for call in calls[1:]:
+        for point, values in call.items():
+            np.testing.assert_array_equal(np.asarray(values), np.asarray(calls[0][point]), err_msg=point)
+
+
 def test_early_exit_runs_only_needed_layers_and_matches(tokens, tmp_path):
     ckpt = ref.build_checkpoint("llama", tmp_path, num_layers=4)
     ours = run(ckpt, tokens, points="attn_out:0,resid_post:1")

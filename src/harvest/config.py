@@ -75,7 +75,8 @@ class ExtractConfig:
     max_samples: int | None = setting("read at most this many records per stream", None, minimum=1)
     overwrite: bool = setting("delete this worker's streams and run.json first, instead of resuming", False)
     strict: bool = setting("stop at the first bad input instead of skipping and recording it", False)
-    mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on data)", None)
+    mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on data; on a CPU "
+                               "host, one slot whose batches run on the cores in turn)", None)
     arc_encoder: str = setting("ARC grid encoding", "compact", choices=("compact", "rows"))
     arc_augment: int = setting("extra augmented variants per ARC task (dihedral, colours, pair order)", 0,
                                minimum=0)

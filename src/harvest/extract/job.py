@@ -32,7 +32,7 @@ from harvest.model import (
 )
 from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
-from harvest.runtime import distributed
+from harvest.runtime import cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, resume_point
@@ -48,8 +48,13 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     command leaves the output as it was. The first write is a lease: where storage refuses it, nothing
     was written.
     """
+    # Without a --mesh, a one-process CPU run is one slot whose batches take the host's cores in turn.
+    multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
+    cores_as_devices = cores.expose_cores(multi or cfg.mesh is not None)
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
-    mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
+    replicas = cores_as_devices and jax.default_backend() == "cpu"
+    mesh = make_mesh("data=1", jax.devices()[:1]) if replicas else make_mesh(cfg.mesh or f"data={jax.device_count()}")
+
     out = Storage(cfg.out)
     checkpoint = resolve_checkpoint(cfg.model)
     model = ModelConfig.from_dir(checkpoint)
@@ -81,7 +86,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
             check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
         # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
-        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype)
+        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype, replicas=replicas)
         return _extract(cfg, decoder, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
     finally:
         leases.release_all()
@@ -156,7 +161,7 @@ def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, li
         leases.release(stream)
     with distributed.peers_watched():
         distributed.barrier("harvest-extract-done")
-    return summarize(out, mine, elapsed=time.monotonic() - start, progress=progress)
+    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": decoder.describe()}
 
 
 def _limit(records, n: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from harvest.model.config import ModelConfig
 from harvest.model.points import POINTS, CapturePlan, parse_points
 from harvest.model.transformer import forward
 from harvest.model.weights import load_params, resolve_checkpoint
-from harvest.runtime.mesh import constrainer, logical_sharding
+from harvest.runtime import cores
+from harvest.runtime.mesh import constrainer, describe, logical_sharding
 
 __all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "default_compute_dtype", "load_decoder", "parse_points"]
 
@@ -36,15 +38,28 @@ class Decoder:
     mesh: Mesh
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
     block_sparse: bool | None = None  # None: on a one-device CPU mesh (elsewhere the backend's fused kernel)
+    replicas: list = dataclasses.field(default_factory=list)  # one-device mesh: more devices that take batches in turn
 
     def __post_init__(self):
+        one_device = self.mesh.devices.size == 1
         if self.block_sparse is None:
-            self.block_sparse = jax.default_backend() == "cpu" and self.mesh.devices.size == 1
+            self.block_sparse = jax.default_backend() == "cpu" and one_device
+        if self.replicas and not one_device:
+            raise ValueError("replicas need a one-device mesh")
         # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
-        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrainer(self.mesh))
+        # On one device there is nothing to pin (and a replica's device is not the mesh's).
+        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=None if one_device else constrainer(self.mesh))
         dtype = self.out_dtype and jnp.dtype(self.out_dtype)
         self._forward = jax.jit(lambda params, tokens, segment_ids, pairs: {
             p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()})
+        # (device, its params) in turn; None: the mesh's own placement.
+        self._turns = itertools.cycle([None, *((d, jax.device_put(self.params, d)) for d in self.replicas)])
+
+    def describe(self) -> str:
+        """Where forwards run, for the end summary."""
+        extra = len(self.replicas)
+        return describe(self.mesh) + (f", and {extra} more CPU device{'s' * (extra > 1)} taking batches in turn"
+                                      if extra else "")
 
     def shard_batch(self, array: np.ndarray) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
@@ -52,19 +67,25 @@ class Decoder:
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
-        """{point: [n_layers_captured, batch, seq, width]} on device."""
-        segment_ids = np.asarray(segment_ids, np.int32)
+        """{point: [n_layers_captured, batch, seq, width]} on device (the mesh, or the replica whose turn it is;
+        dispatched asynchronously, so that replicas run side by side)."""
+        tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
         pairs = block_pairs(segment_ids) if self.block_sparse else None
-        return self._forward(self.params, self.shard_batch(np.asarray(tokens, np.int32)),
-                             self.shard_batch(segment_ids), pairs)
+        turn = next(self._turns)
+        if turn is None:
+            return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids), pairs)
+        device, params = turn
+        return self._forward(params, *jax.device_put((tokens, segment_ids, pairs), device))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
-                 out_dtype: str | None = None) -> Decoder:
-    """Read config and weights (only the layers the points need) straight into the mesh."""
+                 out_dtype: str | None = None, replicas: bool = False) -> Decoder:
+    """Read config and weights (only the layers the points need) straight into the mesh; with `replicas`, a copy
+    on each further CPU device that runtime.cores made room for."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
-    return Decoder(cfg, plan, params, mesh, out_dtype)
+    return Decoder(cfg, plan, params, mesh, out_dtype,
+                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [])
