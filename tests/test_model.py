@@ -148,7 +148,8 @@ def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_
 
 def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
     """A one-process CPU run's other cores take batches in turn (runtime.cores): each batch's values must be
-    the same bits on whichever device ran it, and successive calls must alternate devices."""
+    the same bits on whichever device ran it, and successive calls must alternate devices. `compile` builds
+    every device's program up front, so that no batch waits for one (none compiles after it)."""
     from harvest.model import load_decoder
 
     ckpt = ref.build_checkpoint("qwen2", tmp_path)
@@ -157,7 +158,19 @@ def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
     decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, "float32")
     decoder = type(decoder)(decoder.cfg, decoder.plan, decoder.params, mesh, replicas=jax.devices()[1:3])
     assert decoder.block_sparse and "2 more CPU devices taking batches in turn" in decoder.describe()
-    calls = [decoder(ids, segments) for _ in range(3)]
+    decoder.compile(ids.shape)
+    compiles = []
+
+    def listener(event, seconds, **_):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        calls = jax.block_until_ready([decoder(ids, segments) for _ in range(3)])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [], f"{len(compiles)} compiles after Decoder.compile"
     assert [next(iter(c.values())).devices() for c in calls] == [{d} for d in jax.devices()[:3]]
     for call in calls[1:]:
         for point, values in call.items():

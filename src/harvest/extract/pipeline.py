@@ -38,6 +38,7 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
+    decoder.compile(shape)  # while the feeder makes the first rows
     local_done = False
     while True:
         batch = None if local_done else get(batches, failure)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from functools import partial
@@ -53,7 +54,8 @@ class Decoder:
         self._forward = jax.jit(lambda params, tokens, segment_ids, pairs: {
             p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()})
         # (device, its params) in turn; None: the mesh's own placement.
-        self._turns = itertools.cycle([None, *((d, jax.device_put(self.params, d)) for d in self.replicas)])
+        self._copies = [(d, jax.device_put(self.params, d)) for d in self.replicas]
+        self._turns = itertools.cycle([None, *self._copies])
 
     def describe(self) -> str:
         """Where forwards run, for the end summary."""
@@ -65,6 +67,19 @@ class Decoder:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
         sharding = logical_sharding(array.shape, ("batch", None), self.mesh)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def compile(self, shape: tuple[int, int]) -> None:
+        """With replicas: compile the forward for batches of `shape` on every device at once, each in a thread
+        (XLA lets go of the GIL while it compiles), so that no device's first batch stalls the run compiling
+        its own copy while the others wait for work. Without replicas the first call compiles, as before."""
+        if not self.replicas:
+            return
+        tokens = np.zeros(shape, np.int32)
+        pairs = block_pairs(tokens) if self.block_sparse else None
+        placed = [(self.params, self.shard_batch(tokens), self.shard_batch(tokens), pairs),
+                  *((params, *jax.device_put((tokens, tokens, pairs), device)) for device, params in self._copies)]
+        with concurrent.futures.ThreadPoolExecutor(len(placed)) as pool:
+            list(pool.map(lambda args: self._forward.lower(*args).compile(), placed))
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
         """{point: [n_layers_captured, batch, seq, width]} on device (the mesh, or the replica whose turn it is;
