@@ -9,8 +9,9 @@ same capture points (resid_post at 3 middle layers), fp32 compute, bf16 storage;
 row are truncated by both. Per workload:
   harvest    `run_extract` into a fresh temp dir; tokens/s over the pipeline (load excluded, jit compile
              included) and "steady" (after the first forward returned: compile excluded).
-  forward    harvest's Decoder alone on the packed rows harvest builds (no I/O, compile excluded), and HF's
-             model(...) on the HF loop's padded batches, interleaved so that both see the same load.
+  forward    harvest's Decoder alone (with the pieces' moments, as the job runs it) on the packed rows harvest
+             builds (no I/O, compile excluded), and HF's model(...) on the HF loop's padded batches,
+             interleaved so that both see the same load.
   HF         as users write it today: read jsonl, tokenizer(padding="longest", truncation=True) per batch of
              --hf-batch-size in file order, fp32 model(..., output_hidden_states=True) under no_grad,
              hidden_states[layer + 1] per point, padding dropped, bf16, safetensors.torch.save_file per batch.
@@ -50,7 +51,7 @@ from harvest.data import prompts, streams
 from harvest.data.batching import pack_stream, stream_pieces
 from harvest.demo import demo_checkpoint
 from harvest.extract import job
-from harvest.model import ModelConfig, load_decoder, parse_points
+from harvest.model import ModelConfig, load_decoder, moments, parse_points
 from harvest.runtime import cores
 from harvest.runtime.mesh import make_mesh
 
@@ -173,8 +174,8 @@ class TimedDecoder:
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def __call__(self, tokens, segments):
-        out = self._decoder(tokens, segments)
+    def step(self, tokens, segments):
+        out = self._decoder.step(tokens, segments)
         self.calls.append((time.perf_counter(), int(np.count_nonzero(segments))))
         return out
 
@@ -258,15 +259,15 @@ def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
 
     # As the job runs on this host: one slot, its batches on the cores' devices in turn (runtime.cores).
     decoder = load_decoder(model_dir, args.points, make_mesh("data=1", jax.devices()[:1]), "float32",
-                           out_dtype="bfloat16", replicas=True)
+                           out_dtype="bfloat16", replicas=True, moment_slots=moments.SLOTS)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
     turns = len(decoder.replicas) + 1
-    jax.block_until_ready([decoder(*packed[0]) for _ in range(turns)])  # compiled before timing on every device
+    jax.block_until_ready([decoder.step(*packed[0]) for _ in range(turns)])  # compiled before timing on every device
     packed = [packed[at : at + turns] for at in range(0, len(packed), turns)]  # as many at once as take turns
 
     def harvest_call(batches):
-        jax.block_until_ready([decoder(*batch) for batch in batches])
+        jax.block_until_ready([decoder.step(*batch) for batch in batches])
 
     @torch.no_grad()
     def hf_call(enc):

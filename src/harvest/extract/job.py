@@ -28,6 +28,7 @@ from harvest.model import (
     ModelConfig,
     default_compute_dtype,
     load_decoder,
+    moments,
     parse_points,
 )
 from harvest.model.weights import resolve_checkpoint
@@ -86,7 +87,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
             check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
         # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
-        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype, replicas=replicas)
+        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype, replicas=replicas,
+                               moment_slots=moments.SLOTS)
         return _extract(cfg, decoder, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
     finally:
         leases.release_all()

@@ -46,12 +46,12 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
         # Every process runs every step (the model may span hosts); the run ends on all of them together.
         if not distributed.any_true(not local_done):
             break
-        outputs = decoder((batch or idle).tokens, (batch or idle).segments)
+        outputs = decoder.step((batch or idle).tokens, (batch or idle).segments)
         if batch is not None and writers:
-            for array in outputs.values():
+            for array in jax.tree.leaves(outputs):
                 for shard in local_blocks(array):
                     shard.data.copy_to_host_async()
-            put(captured, (batch, outputs), failure)
+            put(captured, (batch, *outputs), failure)
     put(captured, None, failure)
     host.join(failure)
     feeder.join(failure)
@@ -151,17 +151,25 @@ def to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Commi
     to the committer."""
     names = [(p, j, fmt.tensor_name(p, layer)) for p, layers in decoder.plan.points for j, layer in enumerate(layers)]
     while (item := captured.get()) is not None:
-        batch, outputs = item
-        blocks = {p: [(shard.index[1].start or 0, np.asarray(shard.data)) for shard in local_blocks(v)]
-                  for p, v in outputs.items()}
+        batch, captures, moments = item
+        blocks = jax.tree.map(host_blocks, (captures, moments))
         for r, entry in enumerate(batch.rows):
             if entry is None or entry[0] not in writers:  # another process writes that slot
                 continue
             stream, row = entry
-            values = {}
-            for p, j, name in names:
-                start, block = next((s, b) for s, b in reversed(blocks[p]) if s <= r)
-                values[name] = block[j, r - start, : row.used]
-            for shard in writers[stream].add_row(row, values):
+            values = {name: row_of(blocks[0][p], r)[j, : row.used] for p, j, name in names}
+            own = {name: tuple(row_of(m, r)[j] for m in blocks[1][p]) for p, j, name in names} if moments else None
+            for shard in writers[stream].add_row(row, values, own):
                 committer.submit(shard)
             progress.rows_done(stream, row)
+
+
+def host_blocks(array: jax.Array) -> list[tuple[int, np.ndarray]]:
+    """(first batch row, host numpy) of each of this process's blocks of `array` [layers, batch, ...]."""
+    return [(shard.index[1].start or 0, np.asarray(shard.data)) for shard in local_blocks(array)]
+
+
+def row_of(blocks: list[tuple[int, np.ndarray]], r: int) -> np.ndarray:
+    """Batch row r, [layers, ...], from the block that holds it."""
+    start, block = next((s, b) for s, b in reversed(blocks) if s <= r)
+    return block[:, r - start]

@@ -3,8 +3,9 @@ numpy, storage dtype) and closes a shard before the piece that would overflow `s
 boundaries depend only on the stream, the tensors, the dtype and the shard size, never on batch size,
 mesh or host count. Closed shards go to harvest.store.commit.Committer.
 
-Each piece's activations are copied once, from the batch into the shard's own buffers (sized for a
-full shard up front): no per-piece copies, no concatenation at close.
+No activation is copied on the host: a shard holds its pieces as views into the batches they were
+captured in (which stay alive until the shard is committed), and the Committer writes and hashes them
+from there, one after another, as the safetensors file's bytes.
 """
 
 from __future__ import annotations
@@ -32,28 +33,33 @@ class ShardWriter:
         self.shard = resume.shard
         self.committed = resume.next
         self.start = resume.next
-        # Pieces of the current block, by position: views into their batches until the block's last row.
-        self.waiting: dict[fmt.Position, dict[str, np.ndarray]] = {}
+        # Pieces of the current block, by position: views into their batches until the block's last row, with
+        # their device moments ({name: (mean, M2)}, or None).
+        self.waiting: dict[fmt.Position, tuple[dict[str, np.ndarray], dict | None]] = {}
         self._reset()
 
     def _reset(self) -> None:
-        self.filled = 0  # tokens in the shard buffers
-        self.buffers = self._allocate(max(1, self.shard_bytes // self.token_bytes))
+        self.pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.widths}  # [tokens, width] views
         self.token_blocks: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.sample_ids: list[int] = []
         self.variants: list[int] = []
+        self.moments: dict[str, tuple[list, list]] = {name: ([], []) for name in self.widths}  # per piece, or None
         self.skipped: list[dict[str, Any]] = []
         self.long = {"truncated": 0, "chunked": 0, "skipped": 0}
         self.bytes = 0
 
-    def add_row(self, row: Row, values: dict[str, np.ndarray]) -> list[ClosedShard]:
-        """Take a row; `values[name]` is [row.used, width]. Its pieces wait (as views: a block's batches stay
-        alive until its last row) until their block's last row, the one carrying `row.block`, arrives; then
+    def add_row(self, row: Row, values: dict[str, np.ndarray], moments: dict | None = None) -> list[ClosedShard]:
+        """Take a row; `values[name]` is [row.used, width]; `moments[name]`, if given, is the row's (mean, M2)
+        [slots, width] of its first pieces (harvest.model.moments). Its pieces wait (as views: a block's batches
+        stay alive until its last row) until their block's last row, the one carrying `row.block`, arrives; then
         they go in in stream order. Returns shards closed on the way."""
-        for piece, offset in row.events:
+        for k, (piece, offset) in enumerate(row.events):
             if piece.pos >= self.committed:  # else already in a committed shard (a resume re-packs its block)
-                self.waiting[piece.pos] = {name: v[offset : offset + len(piece.tokens)] for name, v in values.items()}
+                own = {name: (m[0][k], m[1][k]) for name, m in moments.items()} if moments and k < _slots(moments) \
+                    else None
+                self.waiting[piece.pos] = ({name: v[offset : offset + len(piece.tokens)] for name, v in values.items()},
+                                           own)
         closed = []
         for event in row.block or ():
             if event.pos < self.committed:
@@ -66,26 +72,20 @@ class ShardWriter:
             size = len(event.tokens) * self.token_bytes + self.sample_bytes
             if self.lengths and self.bytes + size > self.shard_bytes:
                 closed.append(self._close(next=event.pos, row_start=row.start, final=False, records=event.pos[0]))
-            self._add_piece(event, self.waiting.pop(event.pos))
+            self._add_piece(event, *self.waiting.pop(event.pos))
             self.bytes += size
         if row.end is not None:
             closed.append(self._close(next=(row.end.records, 0), row_start=(row.end.records, 0), final=True,
                                       records=row.end.records))
         return closed
 
-    def _allocate(self, tokens: int) -> dict[str, np.ndarray]:
-        return {name: np.empty((tokens, width), self.dtype) for name, width in self.widths.items()}
-
-    def _add_piece(self, piece: Piece, values: dict[str, np.ndarray]) -> None:
-        end = self.filled + len(piece.tokens)
-        if end > len(next(iter(self.buffers.values()))):  # a piece larger than a shard: it goes alone
-            grown = self._allocate(end)
-            for name, buffer in self.buffers.items():
-                grown[name][: self.filled] = buffer[: self.filled]
-            self.buffers = grown
+    def _add_piece(self, piece: Piece, values: dict[str, np.ndarray], moments: dict | None) -> None:
         for name, block in values.items():
-            self.buffers[name][self.filled : end] = block
-        self.filled = end
+            self.pieces[name].append(block if block.dtype == self.dtype else block.astype(self.dtype))
+            means, m2s = self.moments[name]
+            mean, m2 = moments[name] if moments else (None, None)
+            means.append(mean)
+            m2s.append(m2)
         self.token_blocks.append(piece.tokens)
         self.lengths.append(len(piece.tokens))
         self.sample_ids.append(piece.sample_id)
@@ -97,7 +97,7 @@ class ShardWriter:
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,
-            tensors={name: buffer[: self.filled] for name, buffer in self.buffers.items()},
+            tensors={name: pieces or [np.zeros((0, self.widths[name]), self.dtype)] for name, pieces in self.pieces.items()},
             tokens=np.concatenate(self.token_blocks) if self.token_blocks else np.zeros(0, np.int32),
             lengths=np.asarray(self.lengths, np.int64),
             sample_ids=np.asarray(self.sample_ids, np.int64),
@@ -109,9 +109,13 @@ class ShardWriter:
             long=self.long,
             final=final,
             records=records,
+            moments=self.moments,
         )
         self.shard += 1
         self.start = next
         self._reset()
         return shard
 
+
+def _slots(moments: dict) -> int:
+    return len(next(iter(moments.values()))[0])

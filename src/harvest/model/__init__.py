@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
+from harvest.model.moments import piece_moments
 from harvest.model.points import POINTS, CapturePlan, parse_points
 from harvest.model.transformer import forward
 from harvest.model.weights import load_params, resolve_checkpoint
@@ -40,6 +41,7 @@ class Decoder:
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
     block_sparse: bool | None = None  # None: on a one-device CPU mesh (elsewhere the backend's fused kernel)
     replicas: list = dataclasses.field(default_factory=list)  # one-device mesh: more devices that take batches in turn
+    moment_slots: int = 0  # > 0: `step` also gives each row's first pieces' mean and M2 (harvest.model.moments)
 
     def __post_init__(self):
         one_device = self.mesh.devices.size == 1
@@ -49,10 +51,19 @@ class Decoder:
             raise ValueError("replicas need a one-device mesh")
         # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
         # On one device there is nothing to pin (and a replica's device is not the mesh's).
-        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=None if one_device else constrainer(self.mesh))
+        constrain = None if one_device else constrainer(self.mesh)
+        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrain)
         dtype = self.out_dtype and jnp.dtype(self.out_dtype)
-        self._forward = jax.jit(lambda params, tokens, segment_ids, pairs: {
-            p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()})
+        slots = self.moment_slots
+
+        def step(params, tokens, segment_ids, pairs):
+            captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()}
+            moments = {p: piece_moments(v, segment_ids, slots) for p, v in captures.items()} if slots else {}
+            if constrain is not None:  # whole rows at full width, as the captures (the host slices them by row)
+                moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
+            return captures, moments
+
+        self._forward = jax.jit(step)
         # (device, its params) in turn; None: the mesh's own placement.
         self._copies = [(d, jax.device_put(self.params, d)) for d in self.replicas]
         self._turns = itertools.cycle([None, *self._copies])
@@ -84,6 +95,11 @@ class Decoder:
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
         """{point: [n_layers_captured, batch, seq, width]} on device (the mesh, or the replica whose turn it is;
         dispatched asynchronously, so that replicas run side by side)."""
+        return self.step(tokens, segment_ids)[0]
+
+    def step(self, tokens: np.ndarray, segment_ids: np.ndarray) -> tuple[dict[str, jax.Array], dict[str, tuple]]:
+        """The captures, and {point: (mean, M2)} [n_layers_captured, batch, moment_slots, width] float32 of each
+        row's first `moment_slots` pieces ({} without moment slots)."""
         tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
         pairs = block_pairs(segment_ids) if self.block_sparse else None
         turn = next(self._turns)
@@ -94,7 +110,7 @@ class Decoder:
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
-                 out_dtype: str | None = None, replicas: bool = False) -> Decoder:
+                 out_dtype: str | None = None, replicas: bool = False, moment_slots: int = 0) -> Decoder:
     """Read config and weights (only the layers the points need) straight into the mesh; with `replicas`, a copy
     on each further CPU device that runtime.cores made room for."""
     path = resolve_checkpoint(str(model))
@@ -103,4 +119,4 @@ def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str 
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
     return Decoder(cfg, plan, params, mesh, out_dtype,
-                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [])
+                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [], moment_slots=moment_slots)

@@ -40,7 +40,7 @@ class ResumePoint:
 class ClosedShard:
     stream: int
     shard: int
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, list[np.ndarray]]  # each tensor's blocks of rows in order (at least one, maybe empty)
     tokens: np.ndarray
     lengths: np.ndarray
     sample_ids: np.ndarray
@@ -52,6 +52,18 @@ class ClosedShard:
     long: dict[str, int]
     final: bool
     records: int
+    # Per tensor, each block's (means, M2s) from the device (harvest.model.moments; None: the host computes it).
+    moments: dict[str, tuple[list, list]]
+
+
+@dataclasses.dataclass
+class _Encoded:
+    """A closed shard on its way to storage: its file's parts, and its checksum and stats being computed."""
+
+    shard: ClosedShard
+    parts: list
+    digest: concurrent.futures.Future
+    stats: dict[str, concurrent.futures.Future]
 
 
 def resume_point(storage: Storage, stream: int) -> ResumePoint:
@@ -102,12 +114,15 @@ class Committer:
             thread.start()
 
     def submit(self, shard: ClosedShard) -> None:
-        """Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped."""
+        """Starts the shard's checksum and stats on the pool at once, so that a stream's next shards are hashed
+        while this one is written (shards commit one after another; their hashing need not). Blocks while that
+        thread's queue is full (storage behind): compute waits, nothing is dropped."""
         q = self._queues[shard.stream % len(self._queues)]
+        encoded = self._encode(shard)
         while True:
             self.check()
             try:
-                q.put(shard, timeout=0.5)
+                q.put(encoded, timeout=0.5)
                 return
             except queue.Full:
                 continue
@@ -126,13 +141,13 @@ class Committer:
         self.check()
 
     def _run(self, q: queue.Queue) -> None:
-        while (shard := q.get()) is not None:
+        while (encoded := q.get()) is not None:
             if self.failure is not None:
                 continue  # drain: the run is failing, the main thread will raise
             try:
-                self._commit(shard)
+                self._commit(encoded)
             except BaseException as e:  # surfaced to the main thread by check()
-                self.failure = self._cause(shard.stream, e)
+                self.failure = self._cause(encoded.shard.stream, e)
 
     def _cause(self, stream: int, error: BaseException) -> BaseException:
         """A write that failed because this worker lost the stream (the new holder cleared its temp files,
@@ -143,20 +158,24 @@ class Committer:
             return lost
         return error
 
-    def _commit(self, shard: ClosedShard) -> None:
+    def _encode(self, shard: ClosedShard) -> _Encoded:
         parts = fmt.shard_parts(
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        digest = self._work.submit(fmt.sha256, parts)
-        stats = {name: self._work.submit(fmt.RunningStats.of, values) for name, values in shard.tensors.items()}
+        return _Encoded(shard, parts, self._work.submit(fmt.sha256, parts),
+                        {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
+                         for name, blocks in shard.tensors.items()})
+
+    def _commit(self, encoded: _Encoded) -> None:
+        shard, parts = encoded.shard, encoded.parts
         base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
         self.guard(shard.stream)
         self.storage.write_bytes(base + ".safetensors", parts)
         manifest = Sidecar.of_shard(
-            parts, digest=digest.result(), stream=shard.stream, shard=shard.shard, start=shard.start,
+            parts, digest=encoded.digest.result(), stream=shard.stream, shard=shard.shard, start=shard.start,
             next=shard.next, row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
-            stats={name: future.result() for name, future in stats.items()},
+            stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
         )
         self.guard(shard.stream)

@@ -53,36 +53,41 @@ Position = tuple[int, int]  # (index in stream, variant)
 
 
 def shard_parts(
-    activations: dict[str, np.ndarray],
+    activations: dict[str, np.ndarray | list[np.ndarray]],
     tokens: np.ndarray,
     lengths: np.ndarray,
     sample_ids: np.ndarray,
     variants: np.ndarray,
     metadata: dict[str, str],
 ) -> list[bytes | np.ndarray]:
-    """A shard's bytes as parts to write one after another: the safetensors header, then each tensor's own
-    buffer (no copy into one blob). Byte for byte what `safetensors.numpy.save` writes (tests hold them equal):
-    tensors by dtype, widest first, then by name; the header JSON compact and space-padded to 8 bytes."""
+    """A shard's bytes as parts to write one after another: the safetensors header, then each tensor's data,
+    straight from the buffers it is in (no copy into one blob): an activation tensor may be given as its
+    blocks of rows in order (the pieces, as views into the batches they were captured in). Byte for byte what
+    `safetensors.numpy.save` writes of the whole tensors (tests hold them equal): tensors by dtype, widest first,
+    then by name; the header JSON compact and space-padded to 8 bytes."""
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    tensors = {
-        **{name: np.ascontiguousarray(a) for name, a in activations.items()},
-        "tokens": np.ascontiguousarray(tokens, np.int32),
-        "offsets": offsets,
-        "sample_ids": np.ascontiguousarray(sample_ids, np.int64),
-        "variants": np.ascontiguousarray(variants, np.int32),
+    blocks = {
+        **{name: [np.ascontiguousarray(b) for b in (a if isinstance(a, list) else [a])] for name, a in activations.items()},
+        "tokens": [np.ascontiguousarray(tokens, np.int32)],
+        "offsets": [offsets],
+        "sample_ids": [np.ascontiguousarray(sample_ids, np.int64)],
+        "variants": [np.ascontiguousarray(variants, np.int32)],
     }
     # safetensors keeps metadata in a hash map whose order varies run to run: one key keeps the bytes stable.
     fields = {"format": "harvest", "format_version": str(FORMAT_VERSION), **metadata}
     header: dict[str, Any] = {"__metadata__": {"harvest": json.dumps(fields, sort_keys=True)}}
-    ordered = sorted(tensors.items(), key=lambda item: (_WRITE_ORDER[_tag(item[1])], item[0]))
+    ordered = sorted(blocks.items(), key=lambda item: (_WRITE_ORDER[_tag(item[1][0])], item[0]))
     at = 0
-    for name, array in ordered:
-        header[name] = {"dtype": _tag(array), "shape": list(array.shape), "data_offsets": [at, at + array.nbytes]}
-        at += array.nbytes
+    for name, parts in ordered:
+        nbytes = sum(b.nbytes for b in parts)
+        shape = [sum(len(b) for b in parts), *parts[0].shape[1:]]
+        header[name] = {"dtype": _tag(parts[0]), "shape": shape, "data_offsets": [at, at + nbytes]}
+        at += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return [struct.pack("<Q", len(text)) + text, *(a.reshape(-1).view(np.uint8) for _, a in ordered if a.nbytes)]
+    return [struct.pack("<Q", len(text)) + text, *(b.reshape(-1).view(np.uint8) for _, parts in ordered for b in parts
+                                                   if b.nbytes)]
 
 
 def encode_shard(*args: Any, **kwargs: Any) -> bytes:
@@ -174,6 +179,21 @@ class RunningStats:
         mean = total / n
         return cls(n, mean, _row_sum(values, rows, lambda chunk: np.square(
             np.subtract(chunk, mean, out=chunk), out=chunk)))
+
+    @classmethod
+    def of_pieces(cls, pieces: list[np.ndarray], means: list, m2s: list) -> RunningStats:
+        """Stats of the rows of `pieces` (each [n_i, d]) from each piece's own mean and M2 (float32, from the
+        device: harvest.model.moments), merged in float64 in one step (Chan's formula over all pieces); a piece
+        whose mean is None gets its own here, exact, from its rows. `pieces` has at least one (maybe empty) block."""
+        counts = np.asarray([len(piece) for piece in pieces], np.float64)[:, None]
+        n, d = int(counts.sum()), pieces[0].shape[1]
+        if n == 0:
+            return cls(0, np.zeros(d), np.zeros(d))
+        own = [cls.of(piece) if mean is None else None for piece, mean in zip(pieces, means)]
+        piece_means = np.stack([s.mean if s else mean for s, mean in zip(own, means)]).astype(np.float64)
+        piece_m2s = np.stack([s.m2 if s else m2 for s, m2 in zip(own, m2s)]).astype(np.float64)
+        mean = (counts * piece_means).sum(axis=0) / n
+        return cls(n, mean, piece_m2s.sum(axis=0) + (counts * np.square(piece_means - mean)).sum(axis=0))
 
     def merge(self, other: RunningStats) -> RunningStats:
         n = self.count + other.count
