@@ -1,12 +1,14 @@
 """The `harvest` command as a user runs it: the demo works offline, bad flags give one line and exit 2."""
 
+import json
 import os
 import subprocess
 import sys
 
 
-def harvest(*args, tmp_path):
-    env = {**os.environ, "HARVEST_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+def harvest(*args, tmp_path, **env_vars):
+    env = {**os.environ, "HARVEST_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           **env_vars}
     return subprocess.run([sys.executable, "-m", "harvest", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -26,6 +28,27 @@ def test_demo_checkpoint_is_the_same_bytes_every_time(tmp_path):
     a = (demo_checkpoint(tmp_path / "a") / "model.safetensors").read_bytes()
     b = (demo_checkpoint(tmp_path / "b") / "model.safetensors").read_bytes()
     assert a == b
+
+
+def test_a_repeated_run_loads_its_compiled_forward_from_the_cache_and_writes_the_same_bytes(tmp_path):
+    from harvest.demo import demo_checkpoint
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": "hello world " * n}) + "\n" for n in range(3, 13)))
+    model = demo_checkpoint(tmp_path)
+    # The demo model compiles in under JAX's 1 s threshold for keeping a program; log each hit.
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_LOG_COMPILES": "1"}
+    hit = "Persistent compilation cache hit for 'jit_step'"
+    runs = {}
+    for name, flags in (("first", ()), ("uncached", ("--no-compile-cache",)), ("repeat", ())):
+        runs[name] = harvest("extract", "--model", str(model), "--data", str(data), "--out", str(tmp_path / name),
+                             "--points", "resid_post:1", "--max-seq-len", "64", *flags, tmp_path=tmp_path, **env)
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert [hit in runs[name].stderr for name in runs] == [False, False, True]
+    assert any((tmp_path / "jax").glob("jit_step-*"))
+    shards = sorted(p.relative_to(tmp_path / "first") for p in (tmp_path / "first").glob("stream_*/shard_*"))
+    assert shards and all((tmp_path / "first" / p).read_bytes() == (tmp_path / "repeat" / p).read_bytes()
+                          for p in shards)
 
 
 def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):

@@ -90,6 +90,9 @@ class ExtractConfig:
     process_id: int | None = setting("multi-host: this process's index (else $JAX_PROCESS_INDEX)", None, minimum=0)
     peer_timeout: int = setting("multi-host: seconds before a silent process counts as dead and the others exit",
                                 60, minimum=1)
+    no_compile_cache: bool = setting("compile on every run instead of keeping compiled programs in $HARVEST_CACHE/jax "
+                                     "(default ~/.cache/harvest/jax), where a repeated or resumed run finds them",
+                                     False)
     lease_ttl: int = setting("seconds without a heartbeat before a stream's lease counts as abandoned and another "
                              "worker may take it; a worker that cannot refresh its lease for half of this stops "
                              "writing", 300, minimum=2)

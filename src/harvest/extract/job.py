@@ -33,7 +33,7 @@ from harvest.model import (
 )
 from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
-from harvest.runtime import cores, distributed
+from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, resume_point
@@ -53,6 +53,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
     cores_as_devices = cores.expose_cores(multi or cfg.mesh is not None)
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
+    cache.keep_compiled(not cfg.no_compile_cache)
     replicas = cores_as_devices and jax.default_backend() == "cpu"
     mesh = make_mesh("data=1", jax.devices()[:1]) if replicas else make_mesh(cfg.mesh or f"data={jax.device_count()}")
 

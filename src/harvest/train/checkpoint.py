@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -36,6 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from harvest.runtime import cache
 from harvest.store import step_parts
 from harvest.store.fs import Storage
 
@@ -164,7 +164,7 @@ def _manager(directory: Path, every: int, keep: int, read_only: bool, *, mirrore
 def _staging_dir(url: str, read_only: bool) -> Path:
     """This process's local copy of a mirrored run's checkpoints: a training run's is named from the URL and
     the process, and emptied at the start (only storage is trusted); a reader's is a fresh directory."""
-    root = Path(os.environ.get("HARVEST_CACHE", Path.home() / ".cache" / "harvest")) / "checkpoint-staging"
+    root = cache.root() / "checkpoint-staging"
     root.mkdir(parents=True, exist_ok=True)
     slug = f"{re.sub(r'[^A-Za-z0-9._-]+', '_', url)[-80:]}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
     if read_only:

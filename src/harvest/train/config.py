@@ -52,6 +52,7 @@ class TrainConfig:
     num_processes: int | None = _like_extract("num_processes", None)
     process_id: int | None = _like_extract("process_id", None)
     peer_timeout: int = _like_extract("peer_timeout", 60)
+    no_compile_cache: bool = _like_extract("no_compile_cache", False)
 
     # Settings a resumed run must keep: they decide which data and which model the checkpoint holds.
     RUN_FIELDS = ("model", "shape", "tokenizer", "data", "format", "text_field", "long", "seq_len", "batch_size",

@@ -26,7 +26,7 @@ from harvest.model import default_compute_dtype
 from harvest.model.config import ModelConfig
 from harvest.model.init import init_params
 from harvest.model.weights import load_params, param_specs, resolve_checkpoint, tree_set
-from harvest.runtime import distributed
+from harvest.runtime import cache, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store.fs import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
@@ -56,6 +56,7 @@ def model_config(cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Any]]:
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) to cfg.steps; returns the summary printed at the end."""
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
+    cache.keep_compiled(not cfg.no_compile_cache)
     mesh = make_mesh(cfg.mesh or f"fsdp={jax.device_count()}")
     model, hf_config = model_config(cfg)
     data = streams.open_data(cfg.data)

@@ -1,0 +1,32 @@
+"""harvest's local cache, $HARVEST_CACHE (default ~/.cache/harvest): the demo checkpoint, checkpoint staging,
+and JAX's persistent compilation cache, which lets a repeated or resumed run load its compiled programs
+instead of compiling them again (seconds on a CPU, minutes for a large model on a pod)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+COMPILED_MAX_BYTES = 4 * 2**30  # beyond this, JAX drops the least recently used programs
+
+
+def root() -> Path:
+    return Path(os.environ.get("HARVEST_CACHE") or Path.home() / ".cache" / "harvest")
+
+
+def keep_compiled(enabled: bool = True) -> None:
+    """Keep compiled programs in root()/jax, unless $JAX_COMPILATION_CACHE_DIR names another place; call it
+    before the first compile (JAX opens its cache once per process). JAX runs what it loads from there, so the
+    directory is made for this user only."""
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    if jax.config.jax_compilation_cache_dir:
+        return
+    path = root() / "jax"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.config.jax_compilation_cache_max_size == -1:  # JAX's default: no limit
+        jax.config.update("jax_compilation_cache_max_size", COMPILED_MAX_BYTES)
