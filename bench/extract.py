@@ -23,7 +23,7 @@ row are truncated by both. Per workload:
              (a 2048^3 jnp.dot, measured in the same run).
 harvest and HF end to end alternate --rounds times; the table shows each one's fastest round.
 
-Run:  .venv/bin/python bench/extract.py            (~10 minutes on 2 idle CPU cores; more when shared)
+Run:  .venv/bin/python bench/extract.py            (~30 minutes on 2 idle CPU cores; more when shared)
       .venv/bin/python bench/extract.py --scale 0.2 --workloads short   (a quick smoke run)
 """
 
@@ -345,12 +345,14 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     footer = (
-        f"tokens/s of real tokens. harvest e2e: run_extract's pipeline (model load excluded, compile or cache load included); "
+        f"tokens/s of real tokens. harvest e2e: run_extract's pipeline (model load excluded, compile or cache load "
+        f"included); "
         f"steady: after the first forward returned; forward: Decoder alone on harvest's packed rows (no I/O, compiled "
         f"first); HF: the plain loop after model load, and its model(...) alone on the same padded batches. "
         f"e2e/HF = harvest e2e / HF loop; e2e/fwd and steady/fwd: over harvest forward. packing: real / computed "
         f"tokens. GFLOP/s: useful FLOPs of harvest's forward-only run, and its share of this machine's fp32 matmul "
-        f"rate ({rate / 1e9:.1f} GFLOP/s, a 2048^3 jnp.dot in this run). Fastest of {args.rounds} alternated rounds (the first run of a shape compiles, "
+        f"rate ({rate / 1e9:.1f} GFLOP/s, a 2048^3 jnp.dot in this run). Fastest of {args.rounds} alternated rounds "
+        f"(the first run of a shape compiles, "
         f"later ones load the compiled forward from harvest's cache). "
         f"Qwen2 random weights: {args.layers} layers, hidden {args.hidden}, mlp {args.intermediate}, heads "
         f"{args.heads}/{args.kv_heads} kv, byte tokenizer; points {args.points}; fp32 compute, bf16 storage; harvest "
