@@ -14,9 +14,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="harvest-hub-")
 os.environ["HARVEST_CACHE"] = tempfile.mkdtemp(prefix="harvest-cache-")
-# Keep every compiled program, however quick to compile (JAX keeps those over 1 s): a test's later processes
-# (resumes, restarts, the other host) load them as a user's rerun does, and the suite runs that path throughout.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).parent))
