@@ -318,3 +318,33 @@ def test_create_exclusive_reply_lost(kind, precheck, request, monkeypatch):
     assert st.create_exclusive("lease.json", b'{"worker": "me", "pid": 7}') is True
     assert st.create_exclusive("lease.json", b'{"worker": "other", "pid": 8}') is False
     assert st.read_json("lease.json") == {"worker": "me", "pid": 7}
+
+
+def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceback(caplog):
+    """A cut-off upload leaves aiohttp's writer task failed and unawaited (its request fails too, and Storage
+    retries it); asyncio's traceback of it must not reach the user's terminal. Other errors still do."""
+    import asyncio
+    import gc
+
+    import aiohttp
+    import fsspec.asyn
+
+    from harvest.store import backends
+
+    backends.s3_filesystem()  # harvest's first filesystem of the process sets the IO loop's handler
+
+    async def orphan(error: Exception) -> None:
+        async def fail():
+            raise error
+        task = asyncio.ensure_future(fail())
+        await asyncio.sleep(0.01)
+        del task
+
+    caplog.set_level(logging.DEBUG)
+    for error in (aiohttp.ClientConnectionResetError("Cannot write to closing transport"), ValueError("a bug")):
+        fsspec.asyn.sync(fsspec.asyn.get_loop(), orphan, error)
+        gc.collect()
+    reported = [r.exc_info[1] if r.exc_info else r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert [type(e) for e in reported] == [ValueError], reported
+    assert any("Cannot write to closing transport" in r.getMessage() for r in caplog.records
+               if r.name == "harvest.store.backends")

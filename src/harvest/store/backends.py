@@ -21,7 +21,24 @@ def _cached(key: tuple, make) -> Any:
     with _FS_LOCK:
         if key not in _FS_CACHE:
             _FS_CACHE[key] = make()
+            _quiet_orphaned_connection_errors()
         return _FS_CACHE[key]
+
+
+def _quiet_orphaned_connection_errors() -> None:
+    """An upload cut off mid-body leaves aiohttp's writer task failed with nobody awaiting it, and asyncio
+    would print its traceback to stderr. The request that owned it fails too, and Storage retries or reports
+    that in one line; so on fsspec's IO loop such connection errors go to the debug log. Anything else still
+    reaches asyncio's own handler."""
+    import fsspec.asyn
+
+    def handle(loop, context: dict) -> None:
+        if isinstance(context.get("exception"), ConnectionError):
+            log.debug("storage: %s: %r", context.get("message"), context["exception"])
+        else:
+            loop.default_exception_handler(context)
+
+    fsspec.asyn.get_loop().set_exception_handler(handle)
 
 
 def gcs_filesystem() -> Any:
