@@ -340,7 +340,7 @@ def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceb
         await asyncio.sleep(0.01)
         del task
 
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="harvest")  # a CLI run earlier in the process set harvest's to INFO
     for error in (aiohttp.ClientConnectionResetError("Cannot write to closing transport"), ValueError("a bug")):
         fsspec.asyn.sync(fsspec.asyn.get_loop(), orphan, error)
         gc.collect()
