@@ -232,18 +232,17 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["layer", "none"])
-def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(remat, text_data, tokenizer_dir, tmp_path):
-    """N steps; then toward 2N, SIGKILL at a random moment; (remat none: then SIGTERM, which saves and exits 0);
-    then the same command to the end. The params equal those of one run straight to 2N. (A constant lr after
-    warmup: a cosine or linear schedule depends on --steps, so a run to N would follow another one.)"""
+def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data, tokenizer_dir, tmp_path):
+    """N steps; then toward 2N, SIGKILL at a random moment; then SIGTERM, which saves and exits 0; then the same
+    command to the end. The params equal those of one run straight to 2N (remat layer, the default). (A constant
+    lr after warmup: a cosine or linear schedule depends on --steps, so a run to N would follow another one.)"""
     env = harvest_env(tmp_path / "cache", devices=2)
-    rng = random.Random(f"train-kill-{remat}")
+    rng = random.Random("train-kill")
 
     def args(out: Path, steps: int) -> list[str]:
         return ["train", "--shape", json.dumps(TINY_SHAPE), "--tokenizer", str(tokenizer_dir), "--data",
                 str(text_data), "--out", str(out), "--seq-len", "64", "--batch-size", "4", "--steps", str(steps),
-                "--lr", "0.003", "--warmup", "2", "--schedule", "constant", "--checkpoint-every", "2", "--log-every", "1", "--remat", remat]
+                "--lr", "0.003", "--warmup", "2", "--schedule", "constant", "--checkpoint-every", "2", "--log-every", "1"]
 
     reference, out = tmp_path / "reference", tmp_path / "run"
     done = run_harvest(*args(reference, 2 * STEPS), env=env)
@@ -257,18 +256,17 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(remat, tex
     time.sleep(rng.uniform(0.5, 8.0))
     proc.kill()
     proc.wait()
-    if remat == "none":
-        proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while "step " not in (line := proc.stdout.readline()) and time.monotonic() < deadline:
-            assert line or proc.poll() is None, "the run ended before its first step"
-        proc.send_signal(signal.SIGTERM)
-        rest, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, rest
-        assert "stopped on SIGTERM" in rest or "step 12/12" in rest, rest
-        stopped = int(rest.rsplit("step ", 1)[1].split("/")[0]) if "stopped on SIGTERM" in rest else 2 * STEPS
-        assert stopped in checkpoint_steps(out), (stopped, checkpoint_steps(out))
+    proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while "step " not in (line := proc.stdout.readline()) and time.monotonic() < deadline:
+        assert line or proc.poll() is None, "the run ended before its first step"
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, rest
+    assert "stopped on SIGTERM" in rest or "step 12/12" in rest, rest
+    stopped = int(rest.rsplit("step ", 1)[1].split("/")[0]) if "stopped on SIGTERM" in rest else 2 * STEPS
+    assert stopped in checkpoint_steps(out), (stopped, checkpoint_steps(out))
     resumed = run_harvest(*args(out, 2 * STEPS), env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert checkpoint_steps(out)[-1] == 2 * STEPS
