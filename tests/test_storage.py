@@ -66,6 +66,30 @@ def test_round_trip(root):
         st.read_bytes("../escape")
 
 
+def test_delete_tree_and_delete_many_take_what_they_name_and_nothing_beside_it(root):
+    """A checkpoint step of many files goes in a few requests; a sibling that shares the name's prefix
+    (`7.json`, `70/`) stays; deleting what is gone is fine."""
+    st = Storage(root)
+    st.write_bytes("7/process_00000.json", b"m")
+    st.write_bytes("7.json", b"sibling")
+    st.write_bytes("70/x.bin", b"sibling")
+    for i in range(230):
+        st.write_bytes(f"7/process_00000/state/params.{i % 3}/{i}", b"chunk")
+    st.delete_tree("7")
+    assert not st.exists("7") and st.listdir("7") == []
+    assert st.listdir() == ["7.json", "70"] and st.read_bytes("70/x.bin") == b"sibling"
+    st.delete_tree("7")
+    st.delete_tree("7.json")  # a file
+    assert st.listdir() == ["70"]
+    st.write_bytes("70/y.bin", b"y")
+    st.write_bytes("70/z.bin", b"z")
+    st.delete_many(["70/x.bin", "70/gone.bin", "70/z.bin"])
+    assert st.listdir("70") == ["y.bin"]
+    st.delete_many(["70/gone.bin"])
+    st.delete_many([])
+    assert st.listdir("70") == ["y.bin"]
+
+
 def test_open_text_streams_lines(root):
     st = Storage(root)
     lines = [f'{{"i": {i}, "text": "{"é" * (i % 7)}"}}' for i in range(20_000)]

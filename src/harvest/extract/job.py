@@ -126,9 +126,9 @@ def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
 def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
     for stream in streams_to_wipe:
         directory = fmt.stream_dir(stream)
-        for name in out.listdir(directory):
-            if name != LEASE:  # ours: --overwrite runs under the lease
-                out.delete(f"{directory}/{name}")
+        names = [name for name in out.listdir(directory) if name != LEASE]  # ours: --overwrite runs under it
+        for commits in (True, False):  # sidecars first: no committed shard is ever left without its data
+            out.delete_many(f"{directory}/{name}" for name in names if name.endswith(".json") == commits)
     if run_json:
         out.delete("run.json")
 

@@ -12,7 +12,6 @@ process 0's copy is taken), checking every file against its marker.
 from __future__ import annotations
 
 import hashlib
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,13 +119,8 @@ def prune(root: Storage, keep: int) -> list[int]:
     kept = set(complete[-keep:])
     doomed = [s for s in present if s not in kept and s < complete[-1]]
     for step in doomed:
-        names = root.listdir(str(step))
-        for name in names:
-            if name.endswith(".json"):
-                root.delete(f"{step}/{name}")
-        for name in names:
-            if not name.endswith(".json"):
-                _delete_tree(root, f"{step}/{name}")
+        root.delete_many(f"{step}/{name}" for name in root.listdir(str(step)) if name.endswith(".json"))
+        root.delete_tree(str(step))
     return doomed
 
 
@@ -137,16 +131,3 @@ def _read_marker(root: Storage, step: int, process: int) -> CheckpointPart:
     except ValueError as e:
         raise CorruptStep(f"{root.url_of(rel)}: not a valid checkpoint marker ({e}); delete "
                           f"{root.url_of(str(step))} to resume from an earlier checkpoint") from None
-
-
-def _delete_tree(root: Storage, rel: str) -> None:
-    """Every file under `rel` (an object store has no directories, only names: a name with nothing under it
-    is a file)."""
-    if root.is_local:
-        shutil.rmtree(root.path(rel), ignore_errors=True)
-        return
-    children = root.listdir(rel)
-    if not children:
-        root.delete(rel)
-    for name in children:
-        _delete_tree(root, f"{rel}/{name}")
