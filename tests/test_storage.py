@@ -88,6 +88,14 @@ def test_delete_tree_and_delete_many_take_what_they_name_and_nothing_beside_it(r
     st.delete_many(["70/gone.bin"])
     st.delete_many([])
     assert st.listdir("70") == ["y.bin"]
+    st.write_bytes("70/[y].bin", b"a name from storage, not a pattern")  # as a glob it would match y.bin
+    st.write_bytes("70/*", b"nor this")
+    st.delete_many(["70/[y].bin", "70/*", "70/z.bin"])
+    assert st.listdir("70") == ["y.bin"]
+    st.write_bytes("70/sub/[y].bin", b"")
+    st.write_bytes("70/sub/y.bin", b"kept")
+    st.delete_tree("70/sub/[y].bin")
+    assert st.listdir("70/sub") == ["y.bin"]
 
 
 def test_open_text_streams_lines(root):

@@ -563,15 +563,7 @@ class Storage:
                     os.remove(path)
             self._retry("delete", rel, rm)
             return
-        fs = self.fs
-
-        def rm() -> None:
-            try:
-                fs.rm_file(path)
-            except FileNotFoundError:
-                pass
-            fs.invalidate_cache()
-        self._retry("delete", rel, rm)
+        self._delete_paths(rel, lambda: [path])
 
     def delete_many(self, rels: Iterable[str]) -> None:
         """Delete these files; missing ones are fine. On an object store in batched requests (S3: 1,000 names
@@ -601,13 +593,27 @@ class Storage:
         self._delete_paths(rel, lambda: [n for n in self.fs.find(here) if n == here or n.startswith(here + "/")])
 
     def _delete_paths(self, rel: str, paths: Callable[[], list[str]]) -> None:
+        """Delete the object-store paths `paths()` lists (listed again on a retry). fsspec's batched `rm`
+        expands glob patterns, and names come from storage: one with a glob character (`*?[`) is deleted
+        on its own, as the literal name it is."""
+        # imported here, with the filesystem: a local run never imports fsspec
+        from fsspec.asyn import has_magic
+
         fs = self.fs
 
         def rm() -> None:
             fs.invalidate_cache()
-            if names := paths():
+            names = paths()
+            singles: list[str] = []
+            batched: list[str] = []
+            for name in names:
+                (singles if len(names) == 1 or has_magic(name) else batched).append(name)
+            for name in singles:
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm_file(name)
+            if batched:
                 with contextlib.suppress(FileNotFoundError):  # gcsfs, when none of them was there
-                    fs.rm(names)
+                    fs.rm(batched)
             fs.invalidate_cache()
         self._retry("delete", rel, rm)
 
