@@ -1,0 +1,28 @@
+"""The clocks that harvest's protocols read, behind one object so that a simulation can run the real lease,
+commit and retry code on simulated time (tests/test_simulation.py).
+
+`monotonic()` measures every duration a decision rests on (retry backoff, lease TTLs); it never jumps and
+is only ever compared with itself, never with another host's. `wall()` is for display (progress,
+`harvest status`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Clock:
+    """The real clocks of this process."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def wall(self) -> float:
+        return time.time()
+
+
+SYSTEM = Clock()
