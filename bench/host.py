@@ -43,7 +43,7 @@ from harvest.model import moments, parse_points
 from harvest.model.moments import piece_moments
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, ResumePoint
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
 

@@ -41,7 +41,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from harvest.store import format as fmt  # noqa: E402
-from harvest.store.fs import Storage  # noqa: E402
+from harvest.storage import Storage  # noqa: E402
 from harvest.store.reader import open_run  # noqa: E402
 from harvest.store.records import RunInfo, Sidecar  # noqa: E402
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-TMP_MARK = ".harvest-tmp-"  # harvest.store.fs: local temp files of writes in flight (hidden from listdir)
+TMP_MARK = ".harvest-tmp-"  # harvest.storage: local temp files of writes in flight (hidden from listdir)
 VOLATILE = {"progress.json", "lease.json"}  # per stream: bookkeeping, not data; may differ between runs
 
 

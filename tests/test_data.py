@@ -142,7 +142,7 @@ def test_sources_on_object_storage_read_through_storage(tmp_path, s3_url):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from harvest.store.fs import Storage
+    from harvest.storage import Storage
 
     st = Storage(s3_url)
     st.write_bytes("src/a.jsonl.gz", gzip.compress(b'{"text": "g0"}\n{"text": "g1"}\n'))

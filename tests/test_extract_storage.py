@@ -12,7 +12,7 @@ import harvest
 from harvest.config import ExtractConfig
 from harvest.demo import demo_checkpoint
 from harvest.extract.job import run_extract
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.verify import verify
 
 

@@ -18,7 +18,7 @@ import types
 import pytest
 from extract_helpers import harvest_cmd, harvest_env, run_harvest, text_streams
 
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,7 @@ from harvest.config import ExtractConfig
 from harvest.fleet import status
 from harvest.fleet.plan import make_plan, task_config
 from harvest.fleet.spec import load_fleet
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from harvest.errors import FencedOut, UserError
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.lease import LEASE, LeaseHeld, Leases, boot_id
 from harvest.store.records import LeaseRecord, now_iso
 

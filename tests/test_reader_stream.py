@@ -18,7 +18,7 @@ import pytest
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.batches import CorruptShardError, StateError, UnknownTensorError
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.reader import open_run
 from harvest.store.records import Sidecar
 

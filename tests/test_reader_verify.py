@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from harvest.store import format as fmt
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.reader import open_run
 from harvest.store.records import Sidecar
 from harvest.store.report import inspect, status_rows, status_table, watch

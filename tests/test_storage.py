@@ -1,4 +1,4 @@
-"""harvest.store.fs.Storage against a local directory, a real GCS emulator and a real S3 server (moto),
+"""harvest.storage.Storage against a local directory, a real GCS emulator and a real S3 server (moto),
 including a proxy that cuts the connection mid-run."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import fsspec
 import pytest
 
 from harvest.errors import UserError
-from harvest.store.fs import Storage, StorageError, StorageNotFoundError, is_transient
+from harvest.storage import Storage, StorageError, StorageNotFoundError, is_transient
 
 pytest_plugins = ["storage_servers"]  # harmless once tests/conftest.py loads it too
 
-LOGGER = "harvest.store.fs"
+LOGGER = "harvest.storage"
 
 
 @pytest.fixture(params=["gs", "s3"])
@@ -361,7 +361,7 @@ def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceb
     import aiohttp
     import fsspec.asyn
 
-    from harvest.store import backends
+    from harvest.storage import filesystems as backends
 
     backends.s3_filesystem()  # harvest's first filesystem of the process sets the IO loop's handler
 
@@ -379,4 +379,4 @@ def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceb
     reported = [r.exc_info[1] if r.exc_info else r.getMessage() for r in caplog.records if r.name == "asyncio"]
     assert [type(e) for e in reported] == [ValueError], reported
     assert any("Cannot write to closing transport" in r.getMessage() for r in caplog.records
-               if r.name == "harvest.store.backends")
+               if r.name == "harvest.storage.filesystems")

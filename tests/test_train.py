@@ -407,7 +407,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
     from harvest.model.config import ModelConfig
     from harvest.model.weights import to_hf
     from harvest.store import step_parts
-    from harvest.store.fs import Storage
+    from harvest.storage import Storage
     from harvest.store.records import CheckpointPart
     from harvest.store.report import status_table
 
@@ -451,7 +451,7 @@ def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, t
     """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
     bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
     from harvest.store import step_parts
-    from harvest.store.fs import Storage
+    from harvest.storage import Storage
 
     flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in BUCKET_RUN.items()]
     base = ["train", *flags, "--tokenizer", str(tokenizer_dir), "--data", str(text_data), "--out", s3_url,

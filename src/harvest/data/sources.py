@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from harvest.errors import UserError
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "text", ".text": "text"}

@@ -35,7 +35,7 @@ from typing import Any
 from harvest.data import sources
 from harvest.data.sources import Record
 from harvest.errors import UserError
-from harvest.store.fs import Storage, StorageNotFoundError
+from harvest.storage import Storage, StorageNotFoundError
 
 STREAMS_FILE = "streams.json"
 FORMAT_VERSION = 1

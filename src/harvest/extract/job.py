@@ -37,7 +37,7 @@ from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, resume_point
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.lease import LEASE, Leases
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from harvest.data.batching import Row
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.records import Progress as ProgressRecord
 from harvest.store.records import Sidecar
 

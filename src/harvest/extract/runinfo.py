@@ -14,7 +14,7 @@ from harvest.data import prompts
 from harvest.errors import UserError
 from harvest.model import CapturePlan, ModelConfig
 from harvest.store import format as fmt
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.records import RunInfo
 
 

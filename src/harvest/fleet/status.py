@@ -18,7 +18,7 @@ from rich.text import Text
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.report import RunScanner, human_age, human_count, status_rows
 
 _JOB_STYLE = {"RUNNING": "green", "RECOVERING": "yellow", "SUCCEEDED": "green", "PENDING": "dim", "STARTING": "cyan"}

@@ -18,7 +18,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.store import format as fmt
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.records import Sidecar
 
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 
 from harvest.store import format as fmt
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 HEAD_GUESS = 16 * 1024  # first read: the header of a shard with dozens of tensors fits; else a second read
 

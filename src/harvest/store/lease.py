@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from harvest.errors import FencedOut, RetryLater, UserError
 from harvest.store import format as fmt
-from harvest.store.fs import Storage, Versioned
+from harvest.storage import Storage, Versioned
 from harvest.store.records import LeaseRecord, now_iso
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.store import format as fmt
 from harvest.store.batches import TokenBatches, UnknownTensorError
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.records import RunInfo, Sidecar
 
 STREAM_DIR = re.compile(r"^stream_(\d{5})$")

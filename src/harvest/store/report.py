@@ -23,7 +23,7 @@ from harvest.errors import UserError
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store import step_parts
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.reader import (
     covered_streams,
     list_sidecars,

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harvest.errors import UserError
-from harvest.store.fs import Storage, StorageNotFoundError
+from harvest.storage import Storage, StorageNotFoundError
 from harvest.store.records import CheckpointPart
 
 THREADS = 8  # files moved at once per process

@@ -33,7 +33,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.store.reader import (
     SHARD_ARRAYS,
     SHARD_FILE,

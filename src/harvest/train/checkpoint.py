@@ -6,7 +6,7 @@ when forced (SIGTERM, the end), keeping the newest `keep`.
 A local run URL is orbax's directory itself. A gs:// or s3:// run (hosts that share no filesystem) is
 mirrored: orbax saves into a local staging directory of each process, and once orbax has finished step S
 each process uploads, in a background thread, the files it wrote for S as its part of the step, through
-harvest.store.fs.Storage, then its marker (store/step_parts.py: a step exists when every process's marker
+harvest.storage.Storage, then its marker (store/step_parts.py: a step exists when every process's marker
 does; nobody waits for anybody). At most one upload is in flight: the next save waits for it, and so do
 SIGTERM and the end of a run. Process 0 then prunes complete steps beyond `keep`. A restore (a fresh
 machine) downloads the newest complete step, every part of it, checked against the markers, into staging
@@ -37,7 +37,7 @@ import orbax.checkpoint as ocp
 
 from harvest.runtime import cache
 from harvest.store import step_parts
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 
 CHECKPOINTS = "checkpoints"
 

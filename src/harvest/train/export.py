@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from harvest.errors import UserError
 from harvest.model.config import ModelConfig
 from harvest.model.weights import to_hf
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
 
 MAX_SHARD_BYTES = 5 * 10**9

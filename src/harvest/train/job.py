@@ -28,7 +28,7 @@ from harvest.model.init import init_params
 from harvest.model.weights import load_params, param_specs, resolve_checkpoint, tree_set
 from harvest.runtime import cache, distributed
 from harvest.runtime.mesh import describe, make_mesh
-from harvest.store.fs import Storage
+from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.config import TrainConfig
 from harvest.train.data import BatchFeeder, Groups, Position, row_source

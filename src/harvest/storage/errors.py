@@ -3,7 +3,8 @@
 Transient: connection refused/reset/aborted, timeouts, HTTP 408/429/5xx and the network exceptions of
 gcsfs, s3fs, aiohttp, requests and botocore (found through `__cause__`/`__context__` too). Every failure
 reaches callers as `StorageError` (a `UserError`: one line naming the URL), a missing file as
-`StorageNotFoundError`, which is also a `FileNotFoundError`.
+`StorageNotFoundError`, which is also a `FileNotFoundError`. `PreconditionFailed` and `BlockedPath` are what
+backends raise (see backend.py); Storage turns them into answers and messages.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class StorageUnreachable(StorageError):
 
 class StorageNotFoundError(StorageError, FileNotFoundError):
     """The file (or the bucket) does not exist."""
+
+
+class PreconditionFailed(Exception):
+    """A conditional write's condition did not hold (the object exists, or is not the version named):
+    nothing was written."""
+
+
+class BlockedPath(NotADirectoryError):
+    """A local write cannot make its directory because a file sits on the path; the message names it."""
 
 
 _TRANSIENT_ERRNOS = {

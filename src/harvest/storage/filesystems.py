@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any
 
-from harvest.store.errors import StorageError
+from harvest.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _quiet_orphaned_connection_errors() -> None:
 
 def gcs_filesystem() -> Any:
     env = os.environ
-    emulator = custom_endpoint("gs")
+    emulator = env.get("STORAGE_EMULATOR_HOST", "") not in ("", "default")
     zonal = env.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
     key = ("gs", env.get("STORAGE_EMULATOR_HOST"), zonal, env.get("GOOGLE_APPLICATION_CREDENTIALS"), os.getpid())
     return _cached(key, lambda: _gcs(emulator, zonal))
@@ -111,14 +111,4 @@ def _s3(endpoint: str | None, region: str | None) -> Any:
     )
     fs.retries = 1  # s3fs's retry loop off, likewise
     return fs
-
-
-def custom_endpoint(protocol: str) -> bool:
-    """True when the environment points `protocol` at an emulator or an S3-compatible store."""
-    env = os.environ
-    if protocol == "gs":
-        return env.get("STORAGE_EMULATOR_HOST", "") not in ("", "default")
-    if protocol == "s3":
-        return bool(env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
-    return False
 

@@ -1,0 +1,133 @@
+"""The backend protocol: the raw operations one kind of store (local disk, GCS, S3, a test's in-memory
+store) gives `Storage`, which adds URLs, retries, one-line errors and the lost-reply logic on top.
+
+A backend is any object with the methods of `Backend` below; subclassing it gives the optional ones
+(read_range, size, exists, open_read, open_write, delete_tree, remove_stale_temps) for free, built on the
+eight required ones, so an in-memory backend needs only those eight. Paths are what `Storage.path(rel)`
+gives: the root and the relative path joined with '/' (`bucket/run/stream_00003/lease.json`).
+
+What a backend's exceptions mean to Storage:
+- `FileNotFoundError`: the object does not exist (on a write: its bucket does not).
+- `harvest.storage.errors.PreconditionFailed`: a conditional write's condition did not hold; nothing was
+  written (create: the object exists; replace: it is gone or not the version named).
+- a transient error, as `errors.is_transient` judges it (`ConnectionError`, `TimeoutError`, an `OSError`
+  with ECONNRESET and kin, HTTP 408/429/5xx): the outcome is unknown, a write may have landed. Storage
+  retries the operation; a conditional write then reads the object back (same bytes: it was ours).
+- anything else: permanent, reported as one line naming the URL.
+A backend never retries, never sleeps (but for the local directory lock, on the clock it was given) and
+keeps no cache that could hide another process's write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from typing import Any
+
+Buffer = Any  # anything with the buffer protocol: bytes, memoryview, a contiguous numpy array
+
+
+@dataclasses.dataclass(frozen=True)
+class Versioned:
+    """An object's bytes and its version token (local: sha256; GCS: generation; S3: ETag)."""
+
+    data: bytes
+    token: str
+
+
+class Backend:
+    """The operations Storage needs from a store. The first eight are required."""
+
+    def read(self, path: str) -> bytes:
+        raise NotImplementedError
+
+    def read_versioned(self, path: str) -> Versioned:
+        """The bytes and the token `replace` compares against. The token is read first: when the object
+        changes in between, the token is the older one and a replace with it fails, the safe side."""
+        raise NotImplementedError
+
+    def write(self, path: str, parts: list[Buffer]) -> None:
+        """Write the object whole (the parts one after another): readers see the old bytes or the new."""
+        raise NotImplementedError
+
+    def create(self, path: str, data: bytes) -> None:
+        """Write the object only if absent, atomically; PreconditionFailed if it exists."""
+        raise NotImplementedError
+
+    def replace(self, path: str, data: bytes, token: str) -> None:
+        """Write the object only if it is still the version `token` names, atomically; PreconditionFailed
+        if it changed or is gone."""
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under `path` (files and directories), any order; [] if there are none."""
+        raise NotImplementedError
+
+    def find(self, path: str) -> list[str]:
+        """Every object at `path` or under `path/` (full paths); [] if none."""
+        raise NotImplementedError
+
+    def delete(self, paths: list[str]) -> None:
+        """Delete these objects; missing ones are fine."""
+        raise NotImplementedError
+
+    # --- optional: defaults over the operations above ------------------------------------------------
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) (shorter at the end of the object)."""
+        return self.read(path)[start:end]
+
+    def size(self, path: str) -> int:
+        return len(self.read(path))
+
+    def exists(self, path: str) -> bool:
+        """An object at `path`, or a directory (objects under `path/`)."""
+        return bool(self.find(path))
+
+    def open_read(self, path: str, pos: int) -> Any:
+        """A binary file positioned at `pos`, for streaming (Storage reopens it after a transient error)."""
+        f = io.BytesIO(self.read(path))
+        f.seek(pos)
+        return f
+
+    def open_write(self, path: str) -> Upload:
+        """An upload to stream an object into; it lands whole at `commit()`, and never after `discard()`."""
+        return _BufferedUpload(self, path)
+
+    def delete_tree(self, path: str) -> None:
+        """Delete `path` and everything under it; what is missing is fine."""
+        self.delete(self.find(path))
+
+    def remove_stale_temps(self, path: str) -> list[str]:
+        """Delete what writes cut short left directly under `path` (only local files leave anything)."""
+        return []
+
+
+class Upload:
+    """A write in progress (from `Backend.open_write`): `write` parts, then `commit` or `discard`."""
+
+    def write(self, data: Buffer) -> int:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        raise NotImplementedError
+
+
+class _BufferedUpload(Upload):
+    """Parts kept in memory and written with one `Backend.write` at commit."""
+
+    def __init__(self, backend: Backend, path: str):
+        self._backend, self._path, self._parts = backend, path, []
+
+    def write(self, data: Buffer) -> int:
+        self._parts.append(bytes(data))
+        return len(self._parts[-1])
+
+    def commit(self) -> None:
+        self._backend.write(self._path, self._parts)
+
+    def discard(self) -> None:
+        self._parts = []
