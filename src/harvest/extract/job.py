@@ -36,7 +36,7 @@ from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.store import format as fmt
-from harvest.store.commit import Committer, resume_point
+from harvest.store.commit import Committer, ResumePoint, read_chain, sweep
 from harvest.storage import Storage
 from harvest.store.lease import LEASE, Leases
 
@@ -71,8 +71,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen)
     mine = sorted(s for k in owned for s in fed[k])
-    if not cfg.overwrite:
-        check_run(out, run_info)  # storage reachable; the first lease is the first write, and checks it
+    whole = len(chosen) == data.num_streams  # --overwrite of every stream replaces run.json too
+    if not (cfg.overwrite and whole):
+        # storage reachable; the first lease is the first write, and checks it. A --overwrite of some streams
+        # keeps run.json, which must go on describing the streams it does not touch.
+        check_run(out, run_info, partial_overwrite=cfg.overwrite)
 
     failure: list[BaseException] = []
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
@@ -81,7 +84,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     try:
         if cfg.overwrite:
             distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
-            _wipe(out, mine, run_json=jax.process_index() == 0)
+            _wipe(out, mine, run_json=whole and jax.process_index() == 0)
             distributed.barrier("harvest-overwrite")
         for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
             out.remove_stale_temps(fmt.stream_dir(stream))
@@ -135,7 +138,10 @@ def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
 
 def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
              out: Storage, leases: Leases, info, failure: list[BaseException]) -> dict[str, Any]:
-    resume = {s: resume_point(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
+    chains = {s: read_chain(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
+    resume = {s: ResumePoint.after(chain) for s, chain in chains.items()}
+    for stream in mine:  # ours now: what writers that lost the stream left behind, where it can never be committed
+        sweep(out, stream, chains[stream])
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
     widths = info.tensors
@@ -143,7 +149,8 @@ def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, li
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in mine if not resume[s].done}
     totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
-    committer = Committer(out, on_commit=progress.committed, guard=leases.check)
+    committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,
+                          on_lost=leases.lose)
     encode = prompts.encoder(tokenizer, cfg.format)
 
     def stream_rows(stream: int) -> Iterator[Row]:

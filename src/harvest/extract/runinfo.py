@@ -74,8 +74,9 @@ def agreed(info: RunInfo) -> dict[str, Any]:
             "tensors": info.tensors, "compute_dtype": info.compute_dtype, **settings}
 
 
-def check_run(out: Storage, info: RunInfo) -> None:
-    """Refuse to add to a run made with other settings, showing the difference."""
+def check_run(out: Storage, info: RunInfo, *, partial_overwrite: bool = False) -> None:
+    """Refuse to add to a run made with other settings, showing the difference (`partial_overwrite`: the
+    command replaces some of the run's streams, whose others stay as run.json describes them)."""
     if not out.exists("run.json"):
         return
     try:
@@ -85,5 +86,7 @@ def check_run(out: Storage, info: RunInfo) -> None:
     old, new = agreed(existing), agreed(info)
     differ = [f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in new if old.get(k) != new[k]]
     if differ:
-        raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); "
-                          "use another --out, or --overwrite to start over")
+        what = ("--overwrite of some streams keeps the others and run.json, so it cannot change the settings; "
+                "overwrite every stream (no --streams), or use another --out") if partial_overwrite else \
+            "use another --out, or --overwrite to start over"
+        raise RunMismatch(f"{out.url} holds a run made with other settings ({'; '.join(differ)}); {what}")

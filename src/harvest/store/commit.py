@@ -1,7 +1,13 @@
-"""The commit protocol: a shard's data is written, then its sidecar (the commit); a shard without its
-sidecar does not exist. `Committer` encodes and commits closed shards on background threads, in order
-within a stream, through bounded queues (when storage falls behind the producer waits; nothing is
-dropped); `resume_point` reads back where each stream stands.
+"""The commit protocol: a shard's data object is written under a name no other writer uses (it carries the
+attempt's id), then the shard is committed by creating its sidecar only if absent (`Storage.create_exclusive`).
+A writer whose create fails has lost the stream to whoever committed that shard first: it stops writing it.
+So each stream's sidecars form one contiguous chain, every sample is committed once, and a sidecar always
+names a data object that exists, whatever the timing of the writers, their clocks and their flags.
+Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
+
+`Committer` encodes and commits closed shards on background threads, in order within a stream, through
+bounded queues (when storage falls behind the producer waits; nothing is dropped); `read_chain` and
+`ResumePoint` read back where each stream stands.
 """
 
 from __future__ import annotations
@@ -11,17 +17,22 @@ import dataclasses
 import os
 import queue
 import re
+import signal
 import threading
 from typing import Any, Callable
 
 import numpy as np
 
-from harvest.errors import UserError
+from harvest.errors import FencedOut, UserError
 from harvest.store import format as fmt
 from harvest.storage import Storage
 from harvest.store.records import Sidecar
 
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
+
+
+class CommitLost(FencedOut):
+    """Another writer committed this shard first (exit 3): this one stops writing the stream."""
 
 
 @dataclasses.dataclass
@@ -34,6 +45,14 @@ class ResumePoint:
     samples: int = 0
     tokens: int = 0
     done: bool = False
+
+    @classmethod
+    def after(cls, chain: list[Sidecar]) -> ResumePoint:
+        if not chain:
+            return cls()
+        last = chain[-1]
+        return cls(shard=len(chain), next=last.next, row_start=last.row_start,
+                   samples=sum(sc.samples for sc in chain), tokens=sum(sc.tokens for sc in chain), done=last.final)
 
 
 @dataclasses.dataclass
@@ -58,61 +77,120 @@ class ClosedShard:
 
 @dataclasses.dataclass
 class _Encoded:
-    """A closed shard on its way to storage: its file's parts, and its checksum and stats being computed."""
+    """A closed shard on its way to storage: its file's parts, and its checksums and stats being computed."""
 
     shard: ClosedShard
     parts: list
     digest: concurrent.futures.Future
+    tensor_digests: dict[str, concurrent.futures.Future]
     stats: dict[str, concurrent.futures.Future]
 
 
-def resume_point(storage: Storage, stream: int) -> ResumePoint:
-    """The stream's state after its contiguous run of committed shards from shard 0.
+def sidecar_name(shard: int) -> str:
+    return f"{fmt.shard_stem(shard)}.json"
 
-    A shard without its sidecar does not exist: it is rewritten, under the same name, with the same bytes.
-    """
+
+def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
+    """The stream's committed shards: its sidecars from shard 0 on, as long as they follow one another."""
     directory = fmt.stream_dir(stream)
     numbers = sorted(int(m.group(1)) for name in storage.listdir(directory) if (m := _SIDECAR.match(name)))
-    point = ResumePoint()
+    chain: list[Sidecar] = []
     for expected, number in enumerate(numbers):
         if number != expected:
             break
-        rel = f"{directory}/{fmt.shard_stem(number)}.json"
+        rel = f"{directory}/{sidecar_name(number)}"
         try:
-            manifest = Sidecar.from_bytes(storage.read_bytes(rel))
+            sidecar = Sidecar.from_bytes(storage.read_bytes(rel))
         except ValueError as e:
             raise UserError(f"{storage.url_of(rel)}: not a harvest sidecar ({e}); `harvest verify` shows what "
-                            "else is wrong, and deleting it makes the shard be rewritten") from None
-        point = ResumePoint(shard=number + 1, next=manifest.next, row_start=manifest.row_start,
-                            samples=point.samples + manifest.samples, tokens=point.tokens + manifest.tokens,
-                            done=manifest.final)
-    return point
+                            "else is wrong") from None
+        if chain and (sidecar.start != chain[-1].next or chain[-1].final):
+            raise UserError(f"{storage.url_of(rel)}: does not continue shard {number - 1} (starts at "
+                            f"{list(sidecar.start)}, not {list(chain[-1].next)}); `harvest verify` shows what else "
+                            "is wrong")
+        chain.append(sidecar)
+    return chain
+
+
+def resume_point(storage: Storage, stream: int) -> ResumePoint:
+    """The stream's state after its contiguous run of committed shards from shard 0."""
+    return ResumePoint.after(read_chain(storage, stream))
+
+
+def leftovers(names: list[str], chain: list[Sidecar]) -> list[str]:
+    """The data objects among `names` (a stream directory's listing) that no sidecar names and none ever
+    can: their shard is committed to another object, or lies past the stream's final shard. An object of
+    a shard not committed yet may still be committed by a writer in flight: it is not one of them."""
+    done = bool(chain) and chain[-1].final
+    out = []
+    for name in names:
+        shard = fmt.data_file_shard(name)
+        if shard is not None and ((shard < len(chain) and name != chain[shard].file) or (done and shard >= len(chain))):
+            out.append(name)
+    return out
+
+
+def sweep(storage: Storage, stream: int, chain: list[Sidecar]) -> list[str]:
+    """Delete the stream's leftovers (see `leftovers`); returns their names."""
+    directory = fmt.stream_dir(stream)
+    names = leftovers(storage.listdir(directory), chain)
+    storage.delete_many(f"{directory}/{name}" for name in names)
+    return names
+
+
+def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callable[[int], None]) -> None:
+    """Write `data` as the object `sidecar` names, then commit it by creating the sidecar only if absent.
+    Raises CommitLost when another writer committed the shard first (this one's object is deleted)."""
+    directory = fmt.stream_dir(sidecar.stream)
+    guard(sidecar.stream)
+    storage.write_bytes(f"{directory}/{sidecar.file}", data)
+    guard(sidecar.stream)
+    _test_stop_before_commit(sidecar.stream, sidecar.shard)
+    if storage.create_exclusive(f"{directory}/{sidecar_name(sidecar.shard)}", sidecar.to_bytes()):
+        return
+    try:
+        storage.delete(f"{directory}/{sidecar.file}")
+    except UserError:
+        pass  # a leftover: the stream's next holder deletes it
+    raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
+                     "that took the stream over, or one that lost it and had not stopped yet); this worker stopped "
+                     "writing the stream and its copy was not committed")
+
+
+def _test_stop_before_commit(stream: int, shard: int) -> None:
+    """Fault injection for tests: HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD stops this process (SIGSTOP)
+    after its last lease check and before the commit of that shard, as a stalled VM would."""
+    if os.environ.get("HARVEST_TEST_STOP_BEFORE_COMMIT") == f"{stream}:{shard}":
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class Committer:
     """Background threads that encode and commit shards; stream s always goes to thread s % threads.
 
-    `guard(stream)` runs before each write of a stream and raises when this worker may no longer write it
-    (its lease lost: see harvest.store.lease), so nothing lands after that moment. `on_commit(manifest)`
-    runs after each commit (on the committing thread): progress bookkeeping.
+    `attempt` names this writer's data objects. `guard(stream)` runs before each write of a stream and raises
+    when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
+    runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
+    when another writer committed a shard of the stream first.
     """
 
-    def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *,
-                 guard: Callable[[int], None] | None = None, threads: int = 4, depth: int = 2):
+    def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
+                 guard: Callable[[int], None] | None = None,
+                 on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
-        # A shard's stats (per tensor) and checksum run here, beside its data write: one stream's shards
+        self.attempt = attempt
+        # A shard's stats (per tensor) and checksums run here, beside its data write: one stream's shards
         # use every core, not one (numpy and hashlib let go of the GIL).
         self._work = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
                                                            thread_name_prefix="commit-work")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
+        self.on_lost = on_lost or (lambda stream, error: None)
         self.failure: BaseException | None = None
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
                          for i, q in enumerate(self._queues)]
         for thread in self._threads:
             thread.start()
-
     def submit(self, shard: ClosedShard) -> None:
         """Starts the shard's checksum and stats on the pool at once, so that a stream's next shards are hashed
         while this one is written (shards commit one after another; their hashing need not). Blocks while that
@@ -164,21 +242,25 @@ class Committer:
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
         return _Encoded(shard, parts, self._work.submit(fmt.sha256, parts),
+                        {name: self._work.submit(fmt.sha256, blocks) for name, blocks in fmt.tensor_parts(parts).items()},
                         {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items()})
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
-        base = f"{fmt.stream_dir(shard.stream)}/{fmt.shard_stem(shard.shard)}"
-        self.guard(shard.stream)
-        self.storage.write_bytes(base + ".safetensors", parts)
         manifest = Sidecar.of_shard(
-            parts, digest=encoded.digest.result(), stream=shard.stream, shard=shard.shard, start=shard.start,
-            next=shard.next, row_start=shard.row_start, samples=len(shard.lengths), tokens=int(shard.lengths.sum()),
-            stats={name: future.result() for name, future in encoded.stats.items()},
+            parts, digest=encoded.digest.result(), stream=shard.stream, shard=shard.shard, attempt=self.attempt,
+            start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
+            tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
+            tensor_sha256={name: future.result() for name, future in encoded.tensor_digests.items()},
         )
-        self.guard(shard.stream)
-        self.storage.write_bytes(base + ".json", manifest.to_bytes())  # the commit
+        try:
+            commit(self.storage, manifest, parts, self.guard)
+        except CommitLost as e:
+            self.on_lost(shard.stream, e)
+            raise
         self.guard(shard.stream)
         self.on_commit(manifest)
+        if shard.final:  # what writers that lost the stream left behind, now that none of it can be committed
+            sweep(self.storage, shard.stream, read_chain(self.storage, shard.stream))

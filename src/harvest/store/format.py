@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import struct
 from typing import Any
 
@@ -43,6 +44,21 @@ def stream_dir(stream: int) -> str:
 
 def shard_stem(shard: int) -> str:
     return f"shard_{shard:06d}"
+
+
+_DATA_FILE = re.compile(r"^shard_(\d{6})(?:-([0-9a-f]{8,32}))?\.safetensors$")
+
+
+def shard_file(shard: int, attempt: str) -> str:
+    """The data object of `shard` as the attempt `attempt` writes it: no two writers ever write the same object
+    (shards of runs before attempts existed are named without one)."""
+    return f"{shard_stem(shard)}-{attempt}.safetensors" if attempt else f"{shard_stem(shard)}.safetensors"
+
+
+def data_file_shard(name: str) -> int | None:
+    """The shard number of a data object's name (as `shard_file` makes them), None for any other name."""
+    m = _DATA_FILE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def tensor_name(point: str, layer: int) -> str:
@@ -143,6 +159,21 @@ def shard_metadata(data: bytes) -> dict[str, str]:
     except ValueError as e:
         raise ValueError(f"not a harvest shard (metadata: {e})") from None
     return fields if isinstance(fields, dict) else {}
+
+
+def tensor_parts(parts: list) -> dict[str, list]:
+    """The parts of `shard_parts` grouped by the tensor they hold, from the header in the first part."""
+    header = json.loads(bytes(parts[0][8:]))
+    header.pop("__metadata__", None)
+    spans = sorted((entry["data_offsets"], name) for name, entry in header.items())
+    grouped: dict[str, list] = {name: [] for _, name in spans}
+    at, k = 0, 0
+    for part in parts[1:]:
+        while at >= spans[k][0][1]:
+            k += 1
+        grouped[spans[k][1]].append(part)
+        at += memoryview(part).nbytes
+    return grouped
 
 
 def sha256(data: bytes | list) -> str:

@@ -1,20 +1,23 @@
-"""One writer per stream, enforced: a lease object per stream, taken and refreshed by conditional writes.
+"""One writer per stream, as a rule for not duplicating work: a lease object per stream, taken and refreshed by
+conditional writes. Exactly-once does not rest on it (a late write of a fenced worker is refused by the
+commit itself: harvest.store.commit); leases keep two workers from computing the same shards.
 
-`stream_NNNNN/lease.json` names its holder (worker id, host, boot id, pid) and a version. Taking a free
-lease is a create-if-absent; taking over a released or stale one, and every heartbeat, is a
-compare-and-swap on the object's version (`Storage.replace_if`), so of two contenders exactly one wins.
+`stream_NNNNN/lease.json` (a LeaseRecord) holds the holder's random per-process id, its TTL and a version.
+Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
+object's version (`Storage.replace_if`), so of two contenders exactly one wins.
 
-Who may take a lease held by someone else:
-- anyone, once it is released or its heartbeat is older than the TTL;
-- the same worker id, when its holder is provably gone: another boot of this host, or a dead pid on this
-  boot. The same worker id on another host (a fleet worker recovered on a new VM) waits for the TTL.
-Anyone else is refused at once (`LeaseHeld`, exit 2), before writing anything.
+Who may take a lease held by someone else, with no wall clock compared across hosts:
+- anyone, once it is released;
+- anyone, after watching it unchanged for the holder's own TTL on this process's monotonic clock (a lease
+  whose version moves meanwhile has a live holder: the taker stops, `LeaseHeld`, exit 2, writing nothing);
+- the same worker id at once, when its holder is provably gone: another boot of this host, or a process of
+  this boot and pid namespace that no longer runs. Containers on one VM share host and boot but not the pid
+  namespace, so they prove nothing about each other and wait like anyone else.
 
-A holder that finds, on a heartbeat, that someone else holds its lease, or whose heartbeats have failed
-for longer than half the TTL, is fenced out: `check(stream)` raises from then on and the committer calls
-it before every write of the stream, so nothing lands after that moment; `on_lost` tells the job, which
-stops with one line (`FencedOut`, exit 3, or `RetryLater`, exit 75 when storage was unreachable).
-Half the TTL leaves the other half as margin before another worker may take over.
+A holder whose heartbeat finds another holder, or that cannot refresh for half its TTL, is fenced out:
+`check(stream)` raises from then on; the committer calls it before each write of the stream, and `on_lost`
+tells the job, which stops with one line (`FencedOut`, exit 3, or `RetryLater`, exit 75 when storage was
+unreachable). A taker waits a whole TTL of silence, so the holder has stopped half a TTL before.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import logging
 import os
 import socket
 import threading
-import time
+import uuid
 from collections.abc import Callable
 
+from harvest.clock import SYSTEM, Clock
 from harvest.errors import FencedOut, RetryLater, UserError
 from harvest.store import format as fmt
 from harvest.storage import Storage, Versioned
@@ -35,29 +39,55 @@ from harvest.store.records import LeaseRecord, now_iso
 log = logging.getLogger(__name__)
 
 LEASE = "lease.json"
+MAX_POLL_S = 10.0  # a watched lease is read at least this often (more often for short TTLs)
 
 
 class LeaseHeld(UserError):
     """A live worker holds the stream: this one stops before writing anything."""
 
 
-def boot_id() -> str:
-    """This boot of this host (Linux); '' where unknown, which proves nothing about the holder."""
+def _read_first_line(path: str) -> str:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+        with open(path) as f:
+            return f.readline().strip()
     except OSError:
         return ""
 
 
-def pid_alive(pid: int) -> bool:
+def _pid_namespace(pid: int | str = "self") -> str:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return str(os.stat(f"/proc/{pid}/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def _start_ticks(pid: int) -> str:
+    """When process `pid` of this namespace started (clock ticks since boot): tells a reused pid apart."""
+    stat = _read_first_line(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[-1].split()[19] if ")" in stat else ""
+
+
+def process_key(pid: int | None = None) -> str:
+    """`boot:pid-namespace:pid:start` of a process of this host ('' parts where unknown)."""
+    pid = os.getpid() if pid is None else pid
+    boot = _read_first_line("/proc/sys/kernel/random/boot_id")
+    return f"{boot}:{_pid_namespace()}:{pid}:{_start_ticks(pid)}"
+
+
+def provably_gone(record: LeaseRecord, host: str) -> bool:
+    """Whether the process that wrote `record` is certainly not running: it ran on this host, and this host
+    rebooted since, or it ran in this boot and pid namespace and that pid is now gone or another process."""
+    if record.host != host or record.process.count(":") != 3:
         return False
-    except PermissionError:
+    boot, ns, pid, start = record.process.split(":")
+    my_boot, my_ns, _, _ = process_key().split(":")
+    if not boot or not my_boot:
+        return False
+    if boot != my_boot:
         return True
-    return True
+    if not ns or ns != my_ns or not pid.isdigit() or not start:
+        return False
+    return _start_ticks(int(pid)) != start
 
 
 class _Held:
@@ -68,16 +98,28 @@ class _Held:
         self.record, self.token, self.confirmed = record, token, confirmed
 
 
+class _Watched:
+    """A lease held by another worker, as first seen by this one: its version token and since when."""
+
+    def __init__(self, record: LeaseRecord, token: str, since: float):
+        self.record, self.token, self.since = record, token, since
+
+
 class Leases:
-    """This worker's leases. See the module docstring."""
+    """This worker's leases. See the module docstring. `heartbeat=False` leaves the heartbeats to the
+    caller (`refresh`), for a simulation that schedules them itself."""
 
     def __init__(self, storage: Storage, worker: str, ttl_s: float = 300.0,
-                 on_lost: Callable[[UserError], None] | None = None):
+                 on_lost: Callable[[UserError], None] | None = None, *, clock: Clock = SYSTEM,
+                 heartbeat: bool = True):
         self.storage = storage
         self.worker = worker
         self.ttl_s = float(ttl_s)
         self.on_lost = on_lost or (lambda error: None)
-        self.host, self.boot, self.pid = socket.gethostname(), boot_id(), os.getpid()
+        self.clock = clock
+        self.id = uuid.uuid4().hex  # this process's identity in its lease records
+        self.host, self.pid, self.process = socket.gethostname(), os.getpid(), process_key()
+        self._heartbeat_on = heartbeat
         self._held: dict[int, _Held] = {}
         self._lost: dict[int, UserError] = {}
         self._io = threading.Lock()  # held while a lease is rewritten: a heartbeat never revives a release
@@ -92,51 +134,78 @@ class Leases:
     # --- taking -----------------------------------------------------------------------------------------
 
     def acquire(self, streams: list[int]) -> None:
-        """Take every stream's lease in order, or none: on a refusal, release what was taken and raise."""
+        """Take every stream's lease, or none: on a refusal, release what was taken and raise.
+
+        Leases held by others are watched together (not one TTL after another): each is taken once it stayed
+        unchanged for its holder's TTL; the first one seen to move refuses the whole command."""
         try:
+            watched: dict[int, _Watched] = {}
             for stream in sorted(streams):  # one order everywhere: of two racing workers, one gets them all
-                self._acquire(stream)
+                seen = self._try_take(stream, None)
+                if seen is not None:
+                    watched[stream] = seen
+            if watched:
+                self._wait_out(watched)
         except BaseException:
             self.release_all()
             raise
-        if self._thread is None:
+        if self._heartbeat_on and self._thread is None:
             self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="lease-heartbeat")
             self._thread.start()
 
-    def _record(self, version: int, released: bool = False) -> LeaseRecord:
-        return LeaseRecord(worker=self.worker, host=self.host, boot_id=self.boot, pid=self.pid, version=version,
-                           heartbeat_at=now_iso(), released=released)
+    def _wait_out(self, watched: dict[int, _Watched]) -> None:
+        first = next(iter(watched.values())).record
+        log.info("stream%s %s: held by %s (--lease-ttl %.0fs); taken over if unchanged for that long",
+                 "s" if len(watched) > 1 else "", ",".join(map(str, sorted(watched))), first.describe(), first.ttl_s)
+        while watched:
+            poll = min(MAX_POLL_S, min(w.record.ttl_s for w in watched.values()) / 6)
+            self.clock.sleep(max(0.05, poll))
+            for stream in sorted(watched):
+                seen = self._try_take(stream, watched[stream])
+                if seen is None:
+                    del watched[stream]
+                else:
+                    watched[stream] = seen
 
-    def _acquire(self, stream: int) -> None:
+    def _record(self, version: int, released: bool = False) -> LeaseRecord:
+        return LeaseRecord(worker=self.worker, version=version, heartbeat_at=now_iso(), holder=self.id,
+                           ttl_s=self.ttl_s, host=self.host, pid=self.pid, process=self.process, released=released)
+
+    def _try_take(self, stream: int, watched: _Watched | None) -> _Watched | None:
+        """Take the lease if it may be taken now (None); else what is watched of it from now on. Raises
+        LeaseHeld when the watched lease moved: its holder is alive."""
         rel = _rel(stream)
         first_sent = None  # when this process first wrote the lease: the freshness of any write of it that landed
         while True:
             current = self.storage.read_versioned(rel)
             if current is None:
                 mine = self._record(1)
-                first_sent = time.monotonic() if first_sent is None else first_sent
+                first_sent = self.clock.monotonic() if first_sent is None else first_sent
                 if self.storage.create_exclusive(rel, mine.to_bytes()):
                     self._take(stream, mine, rel, first_sent)
-                    return
+                    return None
                 continue  # someone created it meanwhile: look again
             held = _parse(current, self.storage.url_of(rel))
-            if first_sent is not None and self._wrote(held):  # this process's write landed; its reply was lost
-                self._held[stream] = _Held(held, current.token, first_sent)
-                return
-            wait = self._wait_before_taking(stream, held)
-            if wait > 0:
-                log.info("stream %d: its lease is held by the same worker id %r on %s (pid %d), which cannot be "
-                         "proven gone from here; waiting %.0fs for its heartbeat to expire",
-                         stream, held.worker, held.host, held.pid, wait)
-                time.sleep(min(wait, 10.0))
-                continue
+            if held.holder == self.id and not held.released:  # this process's write landed; its reply was lost
+                self._held[stream] = _Held(held, current.token, first_sent or self.clock.monotonic())
+                return None
+            now = self.clock.monotonic()
+            if not (held.released or (held.worker == self.worker and provably_gone(held, self.host))):
+                if watched is None or first_sent is not None:
+                    return _Watched(held, current.token, now)
+                if current.token != watched.token:
+                    raise LeaseHeld(f"stream {stream} is held by {held.describe()}, whose lease moved while this "
+                                    "worker watched it; give each worker its own --streams (and --worker-id), "
+                                    "or rerun after it stopped")
+                if now - watched.since < held.ttl_s:
+                    return watched
+                log.warning("stream %d: %s left its lease unchanged for %.0fs (its --lease-ttl %.0fs); taking it over",
+                            stream, held.describe(), now - watched.since, held.ttl_s)
             mine = self._record(held.version + 1)
-            first_sent = time.monotonic() if first_sent is None else first_sent
+            first_sent = now if first_sent is None else first_sent
             if self.storage.replace_if(rel, mine.to_bytes(), current.token):
-                if not held.released:
-                    log.warning("stream %d: took over the lease of %s", stream, held.describe())
                 self._take(stream, mine, rel, first_sent)
-                return
+                return None
             # Another contender won the swap: look again (it is probably held now).
 
     def _take(self, stream: int, mine: LeaseRecord, rel: str, sent: float) -> None:
@@ -144,22 +213,6 @@ class Leases:
         if written is None or _parse(written, rel) != mine:
             raise FencedOut(f"stream {stream}: the lease changed hands while it was being taken; rerun to retry")
         self._held[stream] = _Held(mine, written.token, sent)
-
-    def _wait_before_taking(self, stream: int, held: LeaseRecord) -> float:
-        """0: the lease may be taken now; > 0: seconds until it may; raises LeaseHeld if it may not."""
-        age = held.age_s()
-        if held.released or age > self.ttl_s:
-            return 0.0
-        if held.worker == self.worker:
-            same_host = held.host == self.host
-            if same_host and held.boot_id and self.boot and held.boot_id != self.boot:
-                return 0.0  # the host rebooted: the holder is gone
-            if same_host and held.boot_id == self.boot and held.pid != self.pid and not pid_alive(held.pid):
-                return 0.0  # a dead process of this boot
-            if not same_host:
-                return self.ttl_s - age
-        raise LeaseHeld(f"stream {stream} is held by {held.describe()}, heartbeat {age:.0f}s ago; "
-                        "give each worker its own --streams (and --worker-id), or rerun after it stopped")
 
     # --- holding ----------------------------------------------------------------------------------------
 
@@ -177,20 +230,22 @@ class Leases:
         held = self._held.get(stream)
         if held is None:
             raise FencedOut(f"stream {stream}: this worker holds no lease on it")
-        silent = time.monotonic() - held.confirmed
+        silent = self.clock.monotonic() - held.confirmed
         if silent <= self.ttl_s / 2:
             return
         try:
             self.refresh(stream)
         except UserError as e:
-            raise self._lose(stream, RetryLater(
+            raise self.lose(stream, RetryLater(
                 f"stream {stream}: its lease could not be refreshed for {silent:.0f}s, over half of --lease-ttl "
                 f"{self.ttl_s:.0f}s ({e}); stopped writing it. Rerun the same command to resume")) from None
         lost = self._lost.get(stream)
         if lost is not None:
             raise lost
 
-    def _lose(self, stream: int, error: UserError) -> UserError:
+    def lose(self, stream: int, error: UserError) -> UserError:
+        """Record that this worker may no longer write `stream` (e.g. another writer committed its next
+        shard first): every later `check` raises `error`."""
         with self._state:
             if stream in self._lost:
                 return self._lost[stream]
@@ -199,23 +254,28 @@ class Leases:
         self.on_lost(error)
         return error
 
+    def heartbeat_interval(self) -> float:
+        return max(0.05, self.ttl_s / 6)  # about three tries before half the TTL runs out
+
+    def heartbeat_once(self) -> None:
+        for stream in sorted(self._held):
+            try:
+                self.refresh(stream)
+            except UserError as e:  # storage trouble: retried next time, until check() gives up
+                log.warning("stream %d: lease heartbeat failed (%s)", stream, e)
+                with contextlib.suppress(UserError):
+                    self.check(stream)
+
     def _heartbeat(self) -> None:
-        interval = max(0.05, self.ttl_s / 6)  # about three tries before half the TTL runs out
-        while not self._stop.wait(interval):
-            for stream in sorted(self._held):
-                try:
-                    self.refresh(stream)
-                except UserError as e:  # storage trouble: retried next time, until check() gives up
-                    log.warning("stream %d: lease heartbeat failed (%s)", stream, e)
-                    with contextlib.suppress(UserError):
-                        self.check(stream)
+        while not self._stop.wait(self.heartbeat_interval()):
+            self.heartbeat_once()
 
     def refresh(self, stream: int) -> None:
         """One heartbeat: a compare-and-swap from the version this worker wrote last to the next one.
 
         A swap whose reply was lost may still have landed; the retry then fails against this process's own
-        record. Read back, a record naming this process is ours (no one else writes that identity): it is
-        adopted and swapped once more, so the confirmation time is that of a write known to have landed.
+        record. Read back, a record naming this process's id is ours (no one else writes it): it is adopted
+        and swapped once more, so the confirmation time is that of a write known to have landed.
         """
         rel = _rel(stream)
         with self._io:
@@ -223,7 +283,7 @@ class Leases:
                 held = self._held.get(stream)
                 if held is None:
                     return
-                sent = time.monotonic()  # the lease is fresh from when its heartbeat was written, not acknowledged
+                sent = self.clock.monotonic()  # fresh from when the heartbeat was written, not acknowledged
                 mine = self._record(held.record.version + 1)
                 self.storage.replace_if(rel, mine.to_bytes(), held.token)
                 current = self.storage.read_versioned(rel)
@@ -231,20 +291,15 @@ class Leases:
                 if record == mine:
                     held.record, held.token, held.confirmed = mine, current.token, sent
                     return
-                if record is None or not self._wrote(record):
+                if record is None or record.holder != self.id or record.released:
                     break
                 held.record, held.token = record, current.token
             else:
                 raise UserError(f"stream {stream}: the replies to its lease heartbeats keep getting lost")
         holder = record.describe() if record is not None else "nobody (the lease was deleted)"
-        self._lose(stream, FencedOut(f"stream {stream} was taken over by {holder} while this worker was "
-                                     "stalled or cut off; it stopped writing there (nothing after that moment "
-                                     "was committed)"))
-
-    def _wrote(self, record: LeaseRecord) -> bool:
-        """Whether `record` is one this process wrote and did not release (worker id, host, boot and pid)."""
-        return (not record.released and record.worker == self.worker and record.host == self.host
-                and record.boot_id == self.boot and record.pid == self.pid)
+        self.lose(stream, FencedOut(f"stream {stream} was taken over by {holder} while this worker was "
+                                    "stalled or cut off; it stopped writing there (nothing after that moment "
+                                    "was committed)"))
 
     # --- giving back ------------------------------------------------------------------------------------
 
@@ -258,7 +313,7 @@ class Leases:
             released = self._record(held.record.version + 1, released=True)
             try:
                 self.storage.replace_if(_rel(stream), released.to_bytes(), held.token)
-            except UserError as e:  # it expires by its TTL instead
+            except UserError as e:  # it is taken over after its TTL instead
                 log.warning("stream %d: could not release its lease (%s)", stream, e)
 
     def release_all(self) -> None:
@@ -276,4 +331,3 @@ def _parse(current: Versioned, where: str) -> LeaseRecord:
         return LeaseRecord.from_bytes(current.data)
     except ValueError as e:
         raise UserError(f"{where}: not a harvest lease ({e}); delete it if no worker runs on that stream") from None
-

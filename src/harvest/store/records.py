@@ -8,6 +8,7 @@ add the canonical JSON encoding (sorted keys, UTF-8), so equal records are equal
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -37,7 +38,7 @@ class Record:
     def from_json(cls: type[R], obj: Any) -> R:
         if not isinstance(obj, dict):
             raise ValueError(f"expected an object, got {type(obj).__name__}")
-        hints = typing.get_type_hints(cls)
+        hints = _type_hints(cls)
         values = {}
         for field in dataclasses.fields(cls):  # type: ignore[arg-type]
             if field.name not in obj:
@@ -57,6 +58,12 @@ class Record:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"not valid JSON ({e})") from None
         return cls.from_json(obj)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A record class's field types, resolved once (typing resolves string annotations on every call)."""
+    return typing.get_type_hints(cls)
 
 
 def _checked(name: str, value: Any, hint: Any) -> Any:
@@ -86,24 +93,24 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class LeaseRecord(Record):
-    """`stream_NNNNN/lease.json`: who writes the stream, and the version that every rewrite swaps."""
+    """`stream_NNNNN/lease.json`: who writes the stream, and the version that every rewrite swaps.
+
+    `holder` is random per process: the only identity compared when a write whose reply was lost is read
+    back (worker ids, hosts and pids repeat across containers). `ttl_s` is the holder's: a taker waits that
+    long, on its own monotonic clock, for the version to move before it judges the lease stale.
+    `process` says where the holder runs (harvest.store.lease.process_key), to prove it gone on this host.
+    `heartbeat_at` is for people (`harvest status`); no decision reads it.
+    """
 
     worker: str
-    host: str
-    boot_id: str
-    pid: int
     version: int
-    heartbeat_at: str  # ISO 8601, UTC
+    heartbeat_at: str  # ISO 8601, UTC, the writer's own wall clock
+    holder: str = ""
+    ttl_s: float = 300.0
+    host: str = ""
+    pid: int = 0
+    process: str = ""
     released: bool = False
-
-    def age_s(self) -> float:
-        try:
-            then = datetime.fromisoformat(self.heartbeat_at)
-        except ValueError:
-            return float("inf")  # unreadable time: as good as expired
-        if then.tzinfo is None:
-            then = then.replace(tzinfo=timezone.utc)
-        return (datetime.now(timezone.utc) - then).total_seconds()
 
     def describe(self) -> str:
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
@@ -121,6 +128,9 @@ class Sidecar(Record):
     `skipped`: bad records and skipped long samples in the range, each {sample_id, location, reason}.
     `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
     through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
+    `file`, `bytes`, `sha256`: the data object this sidecar commits (its name carries the writing attempt's
+    id); `tensor_sha256`: each tensor's bytes in it, so a ranged read verifies what it fetched (None in
+    sidecars written before harvest recorded them).
     """
 
     format_version: int
@@ -139,15 +149,17 @@ class Sidecar(Record):
     long: dict
     final: bool
     records: int
+    tensor_sha256: dict | None = None
 
     @classmethod
-    def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any],
+    def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
                  digest: str | None = None, **fields: Any) -> Sidecar:
-        """The sidecar of shard bytes `data` (or its parts, as format.shard_parts gives them): names, size and
-        checksum (`digest`, when already computed) from them; `stats` as RunningStats."""
+        """The sidecar of shard bytes `data` (or its parts, as format.shard_parts gives them), written by
+        `attempt`: names, size and checksum (`digest`, when already computed) from them; `stats` as
+        RunningStats."""
         size = sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
-                   file=fmt.shard_stem(shard) + ".safetensors", bytes=size, sha256=digest or fmt.sha256(data),
+                   file=fmt.shard_file(shard, attempt), bytes=size, sha256=digest or fmt.sha256(data),
                    stats={name: s.to_json() for name, s in stats.items()}, **fields)
 
     @classmethod
@@ -158,6 +170,8 @@ class Sidecar(Record):
                 raise ValueError(f"field {name!r}: expected [index, variant], got {list(getattr(sidecar, name))}")
         if sidecar.start > sidecar.next:
             raise ValueError(f"start {list(sidecar.start)} after next {list(sidecar.next)}")
+        if fmt.data_file_shard(sidecar.file) != sidecar.shard:  # a name from storage: never a path elsewhere
+            raise ValueError(f"field 'file': {sidecar.file!r} is not a data object of shard {sidecar.shard}")
         return sidecar
 
 

@@ -5,13 +5,16 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
 
 - run.json is there, parses, and has tensors {name: width}, a known dtype and a data section whose
   num_streams/counts say which streams (and how many records each) the run covers;
-- no stream directory outside those streams; in a stream directory only shard_NNNNNN.safetensors,
-  shard_NNNNNN.json, progress.json and lease.json; every shard file has its sidecar and every sidecar its file;
-- each sidecar parses, names its own stream/shard/file, and the shards of a stream are numbered 0, 1, 2, ...
+- no stream directory outside those streams; in a stream directory only data objects
+  (shard_NNNNNN-ATTEMPT.safetensors), sidecars (shard_NNNNNN.json), progress.json and lease.json; every
+  sidecar's data object is there. Data objects no sidecar names (a writer that lost the stream, or was
+  killed before its commit) are leftovers, listed in the report but not problems;
+- each sidecar parses, names its own stream/shard and a data object of its shard, and the shards of a
+  stream are numbered 0, 1, 2, ...
   with contiguous ranges: the first starts at [0, 0] and each `start` is the previous `next`;
   `records` never decreases; exactly one `final` shard, the last, and with known counts its `records`
   equals the stream's count;
-- each shard file's size and sha256 equal the sidecar's; it decodes as safetensors with format metadata
+- each shard file's size and sha256 equal the sidecar's, and each tensor's bytes its sha256; it decodes as safetensors with format metadata
   "harvest"; tokens [n_tokens] int32, offsets [samples+1] int64 from 0, non-decreasing, ending at
   n_tokens; sample_ids [samples] int64; variants [samples] int32; each run.json tensor [n_tokens, width]
   in the run's dtype and nothing else; the sidecar's samples/tokens and per-tensor stats counts agree;
@@ -36,13 +39,12 @@ from harvest.store import format as fmt
 from harvest.storage import Storage
 from harvest.store.reader import (
     SHARD_ARRAYS,
-    SHARD_FILE,
     SIDECAR,
     covered_streams,
     dtype_name,
     list_stream_dirs,
-    position,
 )
+from harvest.store.coverage import Problems, Shard, check_stream
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
@@ -62,6 +64,7 @@ class Report:
     tokens: int = 0
     bytes: int = 0
     skipped: int = 0
+    leftovers: list[str] = dataclasses.field(default_factory=list)  # data objects no sidecar names
 
     @property
     def ok(self) -> bool:
@@ -70,40 +73,20 @@ class Report:
     @property
     def summary(self) -> str:
         what = (f"{self.streams} streams, {self.records:,} records, {self.shards} shards, {self.samples:,} samples, "
-                f"{self.tokens:,} tokens, {human_bytes(self.bytes)}, {self.skipped} skipped")
+                f"{self.tokens:,} tokens, {human_bytes(self.bytes)}, {self.skipped} skipped"
+                + (f", {len(self.leftovers)} uncommitted leftovers" if self.leftovers else ""))
         if self.ok:
             return f"OK {self.url}: {what}"
         return f"FAILED {self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)} ({what})"
 
     def lines(self) -> list[str]:
-        return [*self.problems, self.summary]
+        kept = [f"{self.url}/{rel}: leftover, committed by no sidecar (deleted by the stream's next writer)"
+                for rel in self.leftovers[:5]]
+        more = [f"... and {len(self.leftovers) - 5} more leftovers"] if len(self.leftovers) > 5 else []
+        return [*self.problems, *kept, *more, self.summary]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
-
-
-@dataclasses.dataclass
-class _Shard:
-    """What verify learned about one committed shard of a stream."""
-
-    k: int
-    sidecar: Sidecar
-    sample_ids: np.ndarray | None = None
-    variants: np.ndarray | None = None
-
-
-class Problems:
-    """Problems found, as (path in the run, message); checks append from several threads."""
-
-    def __init__(self):
-        self.found: list[tuple[str, str]] = []
-
-    def add(self, rel: str, message: str) -> None:
-        self.found.append((rel, message))
-
-    def lines(self, url: str) -> list[str]:
-        """One line per problem, grouped by file in path order (threads report in any order)."""
-        return [f"{url.rstrip('/')}/{rel}: {message}" for rel, message in sorted(self.found, key=lambda p: p[0])]
 
 
 def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None) -> Report:
@@ -119,16 +102,18 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
             streams = [s for s in streams if s in only]
         report.streams = len(streams)
         listing = {s: list_stream(storage, s, problems) for s in streams}
-        jobs = [(s, k) for s in streams for k, _ in listing[s]]
+        jobs = [(s, k) for s in streams for k in listing[s][0]]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             sidecars = dict(zip(jobs, pool.map(lambda job: read_sidecar(storage, *job, problems), jobs)))
-            checked = [(s, k) for s in streams for k, has_data in listing[s]
-                       if has_data and sidecars[(s, k)] is not None]
-            results = pool.map(lambda job: check_shard(storage, info, *job, sidecars[job], problems), checked)
+            checked = [(s, k) for s in streams for k in listing[s][0] if sidecars[(s, k)] is not None]
+            results = pool.map(lambda job: check_shard(storage, info, job[0], listing[job[0]][1], sidecars[job],
+                                                       problems), checked)
             arrays = dict(zip(checked, results))
         for s in streams:
-            shards = [_Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
-                      for k, _ in listing[s] if sidecars[(s, k)] is not None]
+            shards = [Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
+                      for k in listing[s][0] if sidecars[(s, k)] is not None]
+            named = {sh.sidecar.file for sh in shards}
+            report.leftovers += [f"{fmt.stream_dir(s)}/{name}" for name in listing[s][1] if name not in named]
             check_stream(info, s, shards, problems, report)
     report.problems = problems.lines(storage.url)
     return report
@@ -188,26 +173,19 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     return typed
 
 
-def list_stream(storage: Storage, s: int, problems: Problems) -> list[tuple[int, bool]]:
-    """(shard number, data file present) for each sidecar; reports orphans and unknown files."""
+def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str]]:
+    """The shard numbers that have a sidecar, and the data objects there; reports unknown files."""
     sdir = fmt.stream_dir(s)
-    names = storage.listdir(sdir)
-    sidecars, files = set(), set()
-    for name in names:
+    sidecars, files = [], set()
+    for name in storage.listdir(sdir):
         if m := SIDECAR.match(name):
-            sidecars.add(int(m.group(1)))
-        elif m := SHARD_FILE.match(name):
-            files.add(int(m.group(1)))
+            sidecars.append(int(m.group(1)))
+        elif fmt.data_file_shard(name) is not None:
+            files.add(name)
         elif name not in STREAM_FILES:
             problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
                                            "progress.json or lease.json)")
-    for k in sorted(files - sidecars):
-        problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                     "orphan shard file: no sidecar, so never committed (a resumed run rewrites it)")
-    for k in sorted(sidecars - files):
-        problems.add(f"{sdir}/{fmt.shard_stem(k)}.json",
-                     f"sidecar without its data: {fmt.shard_stem(k)}.safetensors is missing")
-    return [(k, k in files) for k in sorted(sidecars)]
+    return sorted(sidecars), files
 
 
 def read_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sidecar | None:
@@ -225,16 +203,17 @@ def read_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sideca
         bad.append(f"says stream {sc.stream}, lies in {fmt.stream_dir(s)}")
     if sc.shard != k:
         bad.append(f"says shard {sc.shard}, named {fmt.shard_stem(k)}")
-    if sc.file != fmt.shard_stem(k) + ".safetensors":
-        bad.append(f"names file {sc.file!r}, not {fmt.shard_stem(k)}.safetensors")
     for message in bad:
         problems.add(rel, f"bad sidecar: {message}")
     return None if bad else sc
 
 
-def check_shard(storage: Storage, info: RunInfo, s: int, k: int, sc: Sidecar, problems: Problems):
+def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Sidecar, problems: Problems):
     """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
-    rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.safetensors"
+    rel, k = f"{fmt.stream_dir(s)}/{sc.file}", sc.shard
+    if sc.file not in files:
+        problems.add(f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json", f"sidecar without its data: {sc.file} is missing")
+        return None, None
     try:
         data = storage.read_bytes(rel)
     except UserError as e:
@@ -254,6 +233,9 @@ def check_shard(storage: Storage, info: RunInfo, s: int, k: int, sc: Sidecar, pr
         problems.add(rel, str(e))
         return None, None
     del data
+    for name, digest in (sc.tensor_sha256 or {}).items():
+        if name in t and fmt.sha256(np.ascontiguousarray(t[name]).reshape(-1).view(np.uint8)) != digest:
+            problems.add(rel, f"checksum mismatch in tensor {name} (corrupted or overwritten)")
     bad = []
     for name, (dtype, ndim) in _EXPECTED_ARRAYS.items():
         if name not in t:
@@ -293,173 +275,6 @@ def check_shard(storage: Storage, info: RunInfo, s: int, k: int, sc: Sidecar, pr
     if len(t["variants"]) != n:
         return None, None
     return t["sample_ids"], t["variants"]
-
-
-def check_stream(info: RunInfo, s: int, shards: list[_Shard], problems: Problems, report: Report) -> None:
-    """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage."""
-    sdir = fmt.stream_dir(s)
-    data = info.data
-    num_streams = data["num_streams"]
-    count = None if data.get("counts") is None else data["counts"][s]
-    if not shards:
-        problems.add(sdir + "/", "no committed shard: the stream was never started"
-                     + (f" ({count} records)" if count is not None else ""))
-        return
-    gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
-    previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
-    for sh in shards:
-        sc, rel = sh.sidecar, f"{sdir}/{fmt.shard_stem(sh.k)}.json"
-        start, next_ = position(sc.start), position(sc.next)
-        if sh.k != expected:
-            missing = (fmt.shard_stem(expected) if sh.k == expected + 1
-                       else f"{fmt.shard_stem(expected)}..{fmt.shard_stem(sh.k - 1)}")
-            problems.add(rel, f"gap: {missing} missing before it (records from {list(previous_next)} "
-                              f"to {list(start)} are in no shard)")
-            gaps.append((previous_next[0], start[0]))
-        elif start > previous_next:
-            problems.add(rel, f"gap: starts at {list(start)} but the previous shard ends at {list(previous_next)}")
-            gaps.append((previous_next[0], start[0]))
-        elif start < previous_next:
-            problems.add(rel, f"overlap: starts at {list(start)} but the previous shard already reached "
-                              f"{list(previous_next)}")
-        if final_seen is not None:
-            problems.add(rel, f"shard after the final one ({fmt.shard_stem(final_seen)})")
-        if sc.records < previous_records:
-            problems.add(rel, f"records {sc.records} less than the previous shard's {previous_records}")
-        if sc.final and final_seen is None:
-            final_seen = sh.k
-        previous_next, expected, previous_records = next_, sh.k + 1, sc.records
-        report.shards += 1
-        report.samples += sc.samples
-        report.tokens += sc.tokens
-        report.bytes += sc.bytes
-        report.skipped += len(sc.skipped)
-
-    last = shards[-1].sidecar
-    if final_seen is None:
-        total = f" of {count}" if count is not None else ""
-        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
-                     f"no final shard after this one: stream incomplete ({last.records}{total} records "
-                     f"read, committed through {list(last.next)})")
-        end = position(last.next)[0]
-    else:
-        final = next(sh.sidecar for sh in shards if sh.k == final_seen)
-        end = final.records
-        if count is not None and end != count:
-            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
-                         f"final shard says the stream has {end} records, run.json data.counts says {count}")
-        if position(final.next) > (end, 0):
-            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
-                         f"final shard ends at {list(final.next)}, past the stream's {end} records")
-    report.records += end
-    entries = sum(sh.sidecar.samples + len(sh.sidecar.skipped) for sh in shards)
-    if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
-        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
-                     f"{end:,} records but only {entries:,} samples and skipped entries: at least "
-                     f"{end - entries:,} records have neither")
-        return
-    check_coverage(s, num_streams, shards, end, gaps, problems)
-
-
-def check_coverage(s: int, num_streams: int, shards: list[_Shard], end: int, gaps: list[tuple[int, int]],
-                   problems: Problems) -> None:
-    """Exactly once: each record 0..end-1 has samples or a skipped entry, nothing twice."""
-    sdir = fmt.stream_dir(s)
-    covered = np.zeros(max(end, 0), bool)
-    ids, variants, owner = [], [], []
-    # Skipped entries as format.sidecar has them ({sample_id, location, reason}) name no variant: a record
-    # may have several (empty variants) next to written pieces, so they only count for coverage. Entries
-    # that do name a variant are held to exactly once.
-    skipped_pieces: dict[tuple[int, int], int] = {}
-    for sh in shards:
-        sc = sh.sidecar
-        start, next_ = position(sc.start), position(sc.next)
-        data_rel = f"{sdir}/{fmt.shard_stem(sh.k)}.safetensors"
-        if sh.sample_ids is not None and len(sh.sample_ids):
-            sid, var = sh.sample_ids, sh.variants.astype(np.int64)
-            index = sid // num_streams
-            wrong = sid % num_streams != s
-            if wrong.any():
-                problems.add(data_rel, f"{int(wrong.sum())} sample_ids do not belong to stream {s} "
-                                       f"(e.g. {int(sid[wrong][0])}; sample_id = index * {num_streams} + stream)")
-            first, lastp = (int(index[0]), int(var[0])), (int(index[-1]), int(var[-1]))
-            order_ok = np.all((np.diff(index) > 0) | ((np.diff(index) == 0) & (np.diff(var) > 0)))
-            if not order_ok:
-                problems.add(data_rel, "samples are not in strictly increasing (index, variant) order")
-            if first < start or lastp >= next_ or (var < 0).any():
-                problems.add(data_rel, f"samples span {list(first)}..{list(lastp)}, outside the sidecar's "
-                                       f"[start {list(sc.start)}, next {list(sc.next)})")
-            ok = ~wrong & (index < end)
-            if (index[~wrong] >= end).any():
-                problems.add(data_rel, f"samples past the stream's last record ({end} records)")
-            covered[index[ok]] = True
-            ids.append(sid)
-            variants.append(var)
-            owner.append(np.full(len(sid), sh.k))
-        elif sh.sample_ids is None:  # data unreadable, already reported: do not report its records again
-            gaps.append((start[0], next_[0] + 1))
-        for entry in sc.skipped:
-            sid = entry.get("sample_id") if isinstance(entry, dict) else None
-            if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
-                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
-                             f"skipped entry {entry!r} has no sample_id of stream {s}")
-                continue
-            i, variant = sid // num_streams, entry.get("variant")
-            if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
-                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
-                             f"skipped sample_id {sid} (record {i}) outside "
-                             f"[start {list(sc.start)}, next {list(sc.next)})")
-            if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
-                key = (sid, int(variant))
-                if key in skipped_pieces:
-                    problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json", f"sample_id {sid} variant {variant} "
-                                 f"skipped twice (also in {fmt.shard_stem(skipped_pieces[key])}.json)")
-                skipped_pieces[key] = sh.k
-            if i < end:
-                covered[i] = True
-
-    if ids:
-        sid, var, own = np.concatenate(ids), np.concatenate(variants), np.concatenate(owner)
-        order = np.lexsort((own, var, sid))
-        sid, var, own = sid[order], var[order], own[order]
-        dup = np.flatnonzero((sid[1:] == sid[:-1]) & (var[1:] == var[:-1])) + 1
-        by_shard: dict[int, list[int]] = {}
-        for j in dup.tolist():
-            by_shard.setdefault(int(own[j]), []).append(j)
-        for k, js in sorted(by_shard.items()):
-            j = js[0]
-            problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                         f"{len(js)} duplicate sample{'s' * (len(js) > 1)}: sample_id {int(sid[j])} variant "
-                         f"{int(var[j])} is also in {fmt.shard_stem(int(own[j - 1]))}.safetensors")
-        pairs = set(zip(sid.tolist(), var.tolist())) if skipped_pieces else set()
-    else:
-        pairs = set()
-    for key, k in sorted(skipped_pieces.items()):
-        if key in pairs:
-            problems.add(f"{sdir}/{fmt.shard_stem(k)}.json",
-                         f"sample_id {key[0]} variant {key[1]} is both skipped and written")
-
-    missing = np.flatnonzero(~covered)
-    if gaps and len(missing):  # records inside a reported gap are not reported again
-        in_gap = np.zeros(len(missing), bool)
-        for lo, hi in gaps:
-            in_gap |= (missing >= lo) & (missing < hi)
-        missing = missing[~in_gap]
-    if len(missing):
-        starts = [position(sh.sidecar.start)[0] for sh in shards]
-        for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
-            problems.add(f"{sdir}/{fmt.shard_stem(k)}.safetensors",
-                         f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
-                         f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
-                         f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")
-
-
-def _group_by_shard(records: np.ndarray, starts: list[int], ks: list[int]) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for r in records.tolist():
-        j = max(0, int(np.searchsorted(starts, r, side="right")) - 1)
-        out.setdefault(ks[j], []).append(r)
-    return out
 
 
 def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
