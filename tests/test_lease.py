@@ -1,10 +1,11 @@
-"""Leases that are enforced: compare-and-swap on local disk, the GCS emulator and moto's S3 server; two
-contenders for one stale lease never both win; a worker whose lease was taken over is fenced out; the
-same worker id takes its lease back only when the holder is provably gone."""
+"""Leases, as a rule against duplicated work: compare-and-swap on local disk, fake-gcs-server and moto's S3
+server; two contenders for one free lease never both win; a lease is taken over only after the taker saw
+it unchanged for the holder's own TTL on its own monotonic clock, and never while it moves; a worker whose
+lease was taken over is fenced out; the same worker id takes its lease back at once only from a holder
+provably gone, and nobody takes one from a holder provably running on this host."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -14,10 +15,8 @@ import pytest
 
 from harvest.errors import FencedOut, UserError
 from harvest.storage import Storage
-from harvest.store.lease import LEASE, LeaseHeld, Leases, boot_id
+from harvest.store.lease import LEASE, LeaseHeld, Leases, process_key
 from harvest.store.records import LeaseRecord, now_iso
-
-LONG_AGO = "2020-01-01T00:00:00+00:00"
 
 
 def _rel(stream: int) -> str:
@@ -25,8 +24,8 @@ def _rel(stream: int) -> str:
 
 
 def _put(st: Storage, stream: int, **fields) -> LeaseRecord:
-    record = LeaseRecord(**{"worker": "gone", "host": "elsewhere", "boot_id": "b0", "pid": 1, "version": 7,
-                            "heartbeat_at": now_iso(), **fields})
+    record = LeaseRecord(**{"worker": "gone", "version": 7, "heartbeat_at": now_iso(), "holder": "h0",
+                            "ttl_s": 300.0, "host": "elsewhere", "pid": 1, **fields})
     st.write_bytes(_rel(stream), record.to_bytes())
     return record
 
@@ -38,7 +37,7 @@ def _read(st: Storage, stream: int) -> LeaseRecord:
 def test_compare_and_swap(root):
     st = Storage(root)
     assert st.read_versioned("k.json") is None
-    assert st.replace_if("k.json", b"x", "anything") is False and not st.exists("k.json")
+    assert st.replace_if("k.json", b"x", "1") is False and not st.exists("k.json")
     st.write_bytes("k.json", b"one")
     first = st.read_versioned("k.json")
     assert first.data == b"one"
@@ -63,13 +62,13 @@ class _CountingStorage(Storage):
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gs"])
-def test_two_contenders_for_one_stale_lease_exactly_one_wins(kind, tmp_path, request):
+def test_two_contenders_for_one_released_lease_exactly_one_wins(kind, tmp_path, request):
     url = str(tmp_path / "out") if kind == "local" else request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_url")
     st = _CountingStorage(url)
     _CountingStorage.lost_swaps = 0
     rounds = 50 if kind != "gs" else 20  # the emulator serves one request at a time: slower
     for stream in range(rounds):
-        _put(st, stream, heartbeat_at=LONG_AGO)
+        _put(st, stream, released=True)
         gate = threading.Barrier(2)
         won: dict[str, bool] = {}
 
@@ -79,7 +78,7 @@ def test_two_contenders_for_one_stale_lease_exactly_one_wins(kind, tmp_path, req
             try:
                 leases.acquire([stream])
                 won[name] = True
-            except LeaseHeld:
+            except (LeaseHeld, FencedOut):
                 won[name] = False
             finally:
                 leases._stop.set()  # no heartbeat, no release: the lease stays as the race left it
@@ -100,13 +99,14 @@ def test_two_contenders_for_one_stale_lease_exactly_one_wins(kind, tmp_path, req
 def test_a_worker_whose_lease_was_taken_over_is_fenced_out(root):
     st = Storage(root)
     errors: list[UserError] = []
-    a = Leases(st, "a", ttl_s=60, on_lost=errors.append)
+    a = Leases(st, "a", ttl_s=1.0, on_lost=errors.append)
+    a.process = ""  # as on another VM: nothing here proves it alive or gone
     a.acquire([3])
     a._stop.set()  # A stalls: no heartbeats
-    time.sleep(1.1)
-    b = Leases(st, "b", ttl_s=1.0)  # to B, A's heartbeat is past the TTL
+    started = time.monotonic()
+    b = Leases(st, "b", ttl_s=60)  # B waits A's TTL (1 s, from A's record), not its own 60 s
     b.acquire([3])
-    assert _read(st, 3).worker == "b"
+    assert 1.0 <= time.monotonic() - started < 10 and _read(st, 3).worker == "b"
     a.refresh(3)  # A wakes: its compare-and-swap finds B's version
     with pytest.raises(FencedOut, match=r"stream 3 was taken over by worker 'b' on .* \(pid \d+\)"):
         a.check(3)
@@ -115,6 +115,23 @@ def test_a_worker_whose_lease_was_taken_over_is_fenced_out(root):
     assert _read(st, 3).worker == "b" and not _read(st, 3).released
     b.release_all()
     assert _read(st, 3).released
+
+
+def test_a_lease_that_moves_while_watched_is_refused_and_a_long_ttl_is_honoured(tmp_path):
+    """The holder's TTL is in its lease: a taker started with --lease-ttl 0.3 still waits the holder's 2 s, and
+    the holder's heartbeat (every 2/6 s) moves the version before then, so the taker stops (LeaseHeld)."""
+    st = Storage(str(tmp_path / "out"))
+    holder = Leases(st, "a", ttl_s=2.0)
+    holder.process = ""  # as from another container: nothing on this host proves it alive or gone
+    holder.acquire([0])
+    try:
+        started = time.monotonic()
+        with pytest.raises(LeaseHeld, match="held by worker 'a' on .*whose lease moved while this worker watched"):
+            Leases(st, "b", ttl_s=0.3).acquire([0])
+        assert time.monotonic() - started < 2.0
+        assert _read(st, 0).worker == "a"
+    finally:
+        holder.release_all()
 
 
 def test_an_unconfirmed_lease_is_confirmed_before_a_write(root):
@@ -155,38 +172,42 @@ def _proc(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def test_the_same_worker_id_takes_its_lease_back_only_from_a_holder_provably_gone(tmp_path):
+def test_a_holder_provably_gone_or_running_here_decides_at_once_else_the_ttl(tmp_path):
     st = Storage(str(tmp_path / "out"))
-    here, boot = socket.gethostname(), boot_id()
+    here = Leases(st, "probe").host
     live = _proc("import time; time.sleep(60)")
-    dead = _proc("pass")
+    dead = _proc("import time; time.sleep(60)")
+    time.sleep(0.2)
+    dead_key = process_key(dead.pid)  # taken while it ran: its pid, start time, boot and pid namespace
+    dead.kill()
     dead.wait()
+    boot, ns, pid, start = dead_key.split(":")
     try:
-        # Two terminals, one command: the holder is a live process of this boot.
-        _put(st, 0, worker="w", host=here, boot_id=boot, pid=live.pid)
-        with pytest.raises(LeaseHeld, match=rf"stream 0 is held by worker 'w' on {here} \(pid {live.pid}\)"):
-            Leases(st, "w").acquire([0])
-        assert _read(st, 0).pid == live.pid
-        # Killed (SIGKILL, OOM): a dead pid of this boot.
-        _put(st, 1, worker="w", host=here, boot_id=boot, pid=dead.pid)
-        Leases(st, "w").acquire([1])
-        assert _read(st, 1).version == 8 and _read(st, 1).pid != dead.pid
-        # The host rebooted.
-        _put(st, 2, worker="w", host=here, boot_id="another-boot", pid=live.pid)
-        Leases(st, "w").acquire([2])
-        # Another worker id, however dead its pid: only the TTL frees the lease.
-        _put(st, 3, worker="x", host=here, boot_id=boot, pid=dead.pid)
-        with pytest.raises(LeaseHeld, match="worker 'x'"):
-            Leases(st, "w").acquire([3])
-        # Released, or stale: anyone.
-        _put(st, 4, worker="x", released=True)
-        _put(st, 5, worker="x", heartbeat_at=LONG_AGO)
-        Leases(st, "w").acquire([4, 5])
-        # The same id on another host (a recovered VM) cannot prove the old one gone: it waits for the TTL.
-        _put(st, 6, worker="w", host="old-vm")
-        started = time.monotonic()
-        Leases(st, "w", ttl_s=1.5).acquire([6])
-        assert time.monotonic() - started > 1.0 and _read(st, 6).host == here
+        # Two terminals, one command: the holder provably runs on this host. Refused at once, any worker id.
+        _put(st, 0, worker="w", host=here, pid=live.pid, process=process_key(live.pid))
+        for worker in ("w", "x"):
+            began = time.monotonic()
+            with pytest.raises(LeaseHeld, match=rf"stream 0 is held by worker 'w' on {here} \(pid {live.pid}\), "
+                                                "which runs on this host"):
+                Leases(st, worker).acquire([0])
+            assert time.monotonic() - began < 1.0
+        # Killed (SIGKILL, OOM): its pid is gone. The host rebooted: another boot id.
+        _put(st, 1, worker="w", host=here, process=dead_key)
+        _put(st, 2, worker="w", host=here, process=f"another-boot:{ns}:{pid}:{start}")
+        began = time.monotonic()
+        Leases(st, "w").acquire([1, 2])
+        assert time.monotonic() - began < 1.0 and _read(st, 1).version == 8 and _read(st, 2).version == 8
+        # Another worker id, however dead its holder: only a TTL of silence frees the lease.
+        # The same id in another container or on another VM proves nothing either: it waits the TTL too.
+        _put(st, 3, worker="x", host=here, process=dead_key, ttl_s=1.0)
+        _put(st, 4, worker="w", host="old-vm", ttl_s=1.0)
+        _put(st, 5, worker="w", host=here, process=f"{boot}:another-namespace:1:{start}", ttl_s=1.0)
+        # Released: anyone, at once.
+        _put(st, 6, worker="x", released=True)
+        began = time.monotonic()
+        Leases(st, "w").acquire([3, 4, 5, 6])  # watched together: one TTL, not three
+        assert 1.0 <= time.monotonic() - began < 3.0
+        assert {_read(st, s).host for s in (3, 4, 5, 6)} == {here}
     finally:
         live.kill()
         live.wait()
@@ -194,11 +215,15 @@ def test_the_same_worker_id_takes_its_lease_back_only_from_a_holder_provably_gon
 
 def test_all_or_none_and_a_corrupt_lease_is_one_line(tmp_path):
     st = Storage(str(tmp_path / "out"))
-    _put(st, 2, worker="x")
-    leases = Leases(st, "w")
-    with pytest.raises(LeaseHeld):
-        leases.acquire([0, 1, 2])
-    assert _read(st, 0).released and _read(st, 1).released and not leases.held
+    holder = Leases(st, "x")
+    holder.acquire([2])  # a live holder on this host
+    try:
+        leases = Leases(st, "w")
+        with pytest.raises(LeaseHeld):
+            leases.acquire([0, 1, 2])
+        assert _read(st, 0).released and _read(st, 1).released and not leases.held
+    finally:
+        holder.release_all()
     st.write_bytes(_rel(4), b'{"worker": 5}')
     with pytest.raises(UserError, match=r"lease.json: not a harvest lease .*'worker'") as caught:
         Leases(st, "w").acquire([4])

@@ -267,6 +267,7 @@ def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, sh
     leases = Leases(storage, worker, ttl_s=ttl, clock=process, heartbeat=False)
     leases._io = SimLock(process)
     leases.id = f"{sim.rng.getrandbits(64):016x}"  # seeded, so that a schedule replays
+    leases.process = ""  # like containers on one VM: no writer can prove another alive or gone
     done = [False]
 
     def heartbeat() -> None:

@@ -11,8 +11,10 @@ Who may take a lease held by someone else, with no wall clock compared across ho
 - anyone, after watching it unchanged for the holder's own TTL on this process's monotonic clock (a lease
   whose version moves meanwhile has a live holder: the taker stops, `LeaseHeld`, exit 2, writing nothing);
 - the same worker id at once, when its holder is provably gone: another boot of this host, or a process of
-  this boot and pid namespace that no longer runs. Containers on one VM share host and boot but not the pid
-  namespace, so they prove nothing about each other and wait like anyone else.
+  this boot and pid namespace that no longer runs.
+Nobody takes a lease whose holder provably runs (that pid, with its start time, in this boot and pid
+namespace): the taker stops at once. Containers on one VM share host and boot but not the pid namespace,
+so they prove nothing about each other either way and watch the version like anyone else.
 
 A holder whose heartbeat finds another holder, or that cannot refresh for half its TTL, is fenced out:
 `check(stream)` raises from then on; the committer calls it before each write of the stream, and `on_lost`
@@ -74,20 +76,22 @@ def process_key(pid: int | None = None) -> str:
     return f"{boot}:{_pid_namespace()}:{pid}:{_start_ticks(pid)}"
 
 
-def provably_gone(record: LeaseRecord, host: str) -> bool:
-    """Whether the process that wrote `record` is certainly not running: it ran on this host, and this host
-    rebooted since, or it ran in this boot and pid namespace and that pid is now gone or another process."""
+def holder_alive(record: LeaseRecord, host: str) -> bool | None:
+    """Whether the process that wrote `record` still runs, where this host can prove it: False when it ran
+    here and the host rebooted since, or it ran in this boot and pid namespace and that pid is gone or now
+    another process; True when that very process (pid and start time) still runs here; None otherwise
+    (another host, or another container: pid namespaces make pids prove nothing across them)."""
     if record.host != host or record.process.count(":") != 3:
-        return False
+        return None
     boot, ns, pid, start = record.process.split(":")
     my_boot, my_ns, _, _ = process_key().split(":")
     if not boot or not my_boot:
-        return False
+        return None
     if boot != my_boot:
-        return True
-    if not ns or ns != my_ns or not pid.isdigit() or not start:
         return False
-    return _start_ticks(int(pid)) != start
+    if not ns or ns != my_ns or not pid.isdigit() or not start:
+        return None
+    return _start_ticks(int(pid)) == start
 
 
 class _Held:
@@ -190,7 +194,11 @@ class Leases:
                 self._held[stream] = _Held(held, current.token, first_sent or self.clock.monotonic())
                 return None
             now = self.clock.monotonic()
-            if not (held.released or (held.worker == self.worker and provably_gone(held, self.host))):
+            alive = None if held.released else holder_alive(held, self.host)
+            if alive:
+                raise LeaseHeld(f"stream {stream} is held by {held.describe()}, which runs on this host; give each "
+                                "worker its own --streams (and --worker-id), or rerun after it stopped")
+            if not (held.released or (held.worker == self.worker and alive is False)):
                 if watched is None or first_sent is not None:
                     return _Watched(held, current.token, now)
                 if current.token != watched.token:
