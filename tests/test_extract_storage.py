@@ -1,4 +1,4 @@
-"""The same run to gs:// (gcp-storage-emulator) and s3:// (moto), real servers on 127.0.0.1: it verifies,
+"""The same run to gs:// (fake-gcs-server) and s3:// (moto), real servers on 127.0.0.1: it verifies,
 reads back, and holds the same bytes as a local run; a server that drops connections costs retries only."""
 
 import json

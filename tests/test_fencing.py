@@ -2,8 +2,8 @@
 started together (one extracts, the other stops at once); a worker stopped (SIGSTOP) past --lease-ttl,
 whose streams another worker takes over and finishes, wakes up (SIGCONT) and exits without committing
 anything; storage unreachable for longer than half the TTL stops the worker, and a rerun finishes with
-the same bytes. Locally and on S3 (moto honours If-Match); the GCS emulator is taught ifGenerationMatch
-by tests/storage_servers.py, and tests/test_lease.py races contenders on all three."""
+the same bytes. Locally and on S3 (moto honours If-Match); fake-gcs-server honours ifGenerationMatch too,
+and tests/test_lease.py races contenders on all three."""
 
 from __future__ import annotations
 

@@ -65,6 +65,7 @@ def test_replace_if(root):
     assert first.data == b"one"
     assert st.replace_if("k.json", b"two", first.token) is True
     assert st.replace_if("k.json", b"three", first.token) is False  # a stale version never swaps
+    assert st.replace_if("k.json", b"three", "not-a-version") is False
     assert st.read_bytes("k.json") == b"two"
     second = st.read_versioned("k.json")
     assert second.token != first.token and st.replace_if("k.json", b"three", second.token) is True

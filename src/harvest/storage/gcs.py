@@ -48,6 +48,8 @@ class GCSBackend(ObjectBackend):
             raise PreconditionFailed(path) from None
 
     def replace(self, path: str, data: bytes, token: str) -> None:
+        if not token.isdigit():  # names no generation (GCS would answer 400): it never swaps
+            raise PreconditionFailed(path)
         try:
             self._multipart(path, data, token)
         except (FileExistsError, FileNotFoundError):  # 412: another generation; 404: gone
