@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 
 from harvest.store import format as fmt  # noqa: E402
 from harvest.storage import Storage  # noqa: E402
-from harvest.store.reader import open_run  # noqa: E402
+from harvest.read import open_run  # noqa: E402
 from harvest.store.records import RunInfo, Sidecar  # noqa: E402
 
 HOST = "127.0.0.1"

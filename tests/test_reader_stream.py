@@ -17,9 +17,8 @@ import pytest
 
 from harvest.errors import UserError
 from harvest.store import format as fmt
-from harvest.store.batches import CorruptShardError, StateError, UnknownTensorError
 from harvest.storage import Storage
-from harvest.store.reader import open_run
+from harvest.read import CorruptShardError, StateError, UnknownTensorError, open_run
 from harvest.store.records import Sidecar
 
 SPECIAL = (0, 1)

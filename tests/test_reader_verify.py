@@ -16,7 +16,7 @@ import pytest
 
 from harvest.store import format as fmt
 from harvest.storage import Storage
-from harvest.store.reader import open_run
+from harvest.read import open_run
 from harvest.store.records import Sidecar
 from harvest.store.report import inspect, status_rows, status_table, watch
 from harvest.store.verify import verify

@@ -22,7 +22,7 @@ from harvest.data.streams import create_streams
 from harvest.demo import demo_checkpoint
 from harvest.errors import UserError
 from harvest.extract.job import run_extract
-from harvest.store.reader import open_run
+from harvest.read import open_run
 from harvest.store.verify import verify
 
 SEED = 20261123

@@ -24,14 +24,9 @@ from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store import step_parts
 from harvest.storage import Storage
-from harvest.store.reader import (
-    covered_streams,
-    list_sidecars,
-    open_run,
-    read_run_info,
-    stream_count,
-)
+from harvest.store.listing import covered_streams, list_sidecars, read_run_info, stream_count
 from harvest.store.records import Progress, RunInfo, Sidecar
+from harvest.store.snapshot import Snapshot, shard_samples
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
@@ -265,7 +260,8 @@ def _watch_training(url: str | Storage, interval: float, console: Console) -> No
 
 def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableType]:
     """What a run holds: its setup, the committed totals, per-tensor stats, and one sample."""
-    run = open_run(_storage(url))
+    storage = _storage(url)
+    run = Snapshot.take(storage)
     info, data, model = run.info, run.info.data, run.info.model
     streams = covered_streams(info)
     done = sum(run.done(s) for s in streams)
@@ -288,7 +284,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
                   + (f", {sum(counts):,} records" if isinstance(counts, list) else ", length unknown"))
     about.add_row("committed", f"{run.num_samples:,} samples, {run.num_tokens:,} tokens, {len(run.shards)} shards, "
                                f"{human_bytes(run.num_bytes)}, {skipped} skipped")
-    packing = _packing(run.storage, streams)
+    packing = _packing(storage, streams)
     if packing is not None:
         about.add_row("packing", f"{packing:.1%} of computed row slots hold real tokens (last session of each stream)")
     about.add_row("version", f"harvest {info.harvest_version}, format {info.format_version}, "
@@ -309,7 +305,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     out: list[RenderableType] = [about, tensors]
     first = next((sc for sc in run.shards if sc.samples > 0), None)
     if first is not None:
-        sample = next(run.shard_samples(first))
+        sample = next(shard_samples(storage, first, list(run.tensors)))
         n = min(sample_tokens, len(sample.tokens))
         table = Table(title=f"sample {sample.sample_id} variant {sample.variant} (stream {sample.stream}, "
                             f"{len(sample.tokens)} tokens): first {n} tokens, activation L2 norms",

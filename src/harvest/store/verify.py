@@ -37,7 +37,7 @@ from harvest.errors import UserError
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.storage import Storage
-from harvest.store.reader import (
+from harvest.store.listing import (
     SHARD_ARRAYS,
     SIDECAR,
     covered_streams,

@@ -1,8 +1,8 @@
-"""Where each tensor of a shard lies, from its safetensors header, so a reader fetches only the bytes it uses.
+"""A shard's data object as bytes on storage: where each tensor lies (its safetensors header), and its checksums.
 
 A safetensors file is `u64 n | n bytes of JSON header | data`; the header gives each tensor's dtype, shape
 and [begin, end) within the data. Tensors are row-major, so rows [lo, hi) of a [n_tokens, d] tensor are
-one contiguous byte range: a piece of a shard costs one ranged read per tensor asked for.
+one contiguous byte range, and a tensor's bytes can be hashed without reading the rest of the file.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import struct
 
 import numpy as np
 
-from harvest.store import format as fmt
 from harvest.storage import Storage
+from harvest.store import format as fmt
 
 HEAD_GUESS = 16 * 1024  # first read: the header of a shard with dozens of tensors fits; else a second read
+HASH_CHUNK = 8 * 2**20  # bytes fetched at a time when hashing a remote range: memory stays bounded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,37 +90,13 @@ def read_layout(storage: Storage, rel: str) -> ShardLayout:
     return parsed
 
 
-def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
-    """Rows [lo, hi) of one tensor, fetched as one ranged read. ValueError if the file is cut short."""
-    start, end = span.rows(lo, hi)
-    data = storage.read_range(rel, start, end) if end > start else b""
-    if len(data) != end - start:
-        raise ValueError(f"the file ends {end - start - len(data)} bytes short of what its header describes")
-    return np.frombuffer(data, span.dtype).reshape((hi - lo, *span.shape[1:]))
-
-
-def rows_of(buf, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
-    """Rows [lo, hi) of one tensor of a whole file held in `buf` (bytes or a memory map), without a copy."""
-    start, end = span.rows(lo, hi)
-    if end > len(buf):
-        raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
-    count = (hi - lo) * (span.row_bytes // span.dtype.itemsize)
-    return np.frombuffer(buf, span.dtype, count=count, offset=start).reshape((hi - lo, *span.shape[1:]))
-
-
 def map_file(path: str) -> mmap.mmap:
     """A local file mapped read-only: its pages come from the page cache, copied once, where they are used.
-    Committed shards are never rewritten in place (writes are temp file + rename), so a map stays valid."""
+    Committed data objects are never rewritten (each writer has its own names), so a map stays valid."""
     with open(path, "rb") as f:
         if f.seek(0, 2) == 0:
             raise ValueError("the file is empty")
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
-def prefault(arr: np.ndarray) -> None:
-    """Touch one byte per page of a mapped array, so the reading thread, not the consumer, waits for the disk."""
-    if arr.size:
-        int(arr.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum())
 
 
 def file_sha256(storage: Storage, rel: str) -> str:
@@ -128,6 +105,24 @@ def file_sha256(storage: Storage, rel: str) -> str:
         return hashlib.sha256(map_file(storage.path(rel))).hexdigest()
     digest = hashlib.sha256()
     with storage.open_binary(rel) as f:
-        while chunk := f.read(8 * 2**20):
+        while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def range_sha256(storage: Storage, rel: str, start: int, end: int) -> str:
+    """The sha256 of bytes [start, end) of a file: ranged reads of HASH_CHUNK (locally a memory map).
+    ValueError if the file ends before `end`."""
+    if storage.is_local:
+        buf = map_file(storage.path(rel))
+        if end > len(buf):
+            raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
+        return hashlib.sha256(memoryview(buf)[start:end]).hexdigest()
+    digest = hashlib.sha256()
+    for at in range(start, end, HASH_CHUNK):
+        want = min(at + HASH_CHUNK, end) - at
+        chunk = storage.read_range(rel, at, at + want)
+        if len(chunk) != want:
+            raise ValueError(f"the file ends {end - at - len(chunk)} bytes short of what its header describes")
+        digest.update(chunk)
     return digest.hexdigest()

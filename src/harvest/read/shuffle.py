@@ -4,8 +4,9 @@ Level one cuts every shard into pieces (row ranges of at most `piece_tokens`) an
 with (seed, epoch); consumers (rank r of `world` hosts, then worker w of a rank's `workers` data-loader
 workers) take every (world*workers)-th piece of that order, so no two consumers share a token. Level two
 reads a consumer's pieces `buffer` at a time (a group) and permutes the group's rows with
-(seed, epoch, rank, worker, group). Because a group's order depends on nothing before it, a position
-(epoch, group, row) is all a reader needs to resume: nothing earlier is re-read.
+(seed, epoch, rank, worker, group). Because a group's order depends on nothing before it, a cursor
+(epoch, group, row) is all a reader needs to resume: nothing earlier is re-read. Each shard's bytes are
+checked by one consumer only: the one dealt its first piece (`shards_to_verify`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def epoch_order(pieces: list[Piece], seed: int, epoch: int, shuffle: bool) -> li
 def share(order: list[Piece], rank: int, world: int, worker: int, workers: int) -> list[Piece]:
     """This consumer's pieces: rank r takes order[r::world], its worker w every workers-th of those."""
     return order[rank::world][worker::workers]
+
+
+def shards_to_verify(order: list[Piece], rank: int, world: int, worker: int, workers: int) -> set[tuple[int, int]]:
+    """(stream, shard) of the shards whose first piece (rows from 0) `share` deals to this consumer: each
+    shard has exactly one such consumer among all ranks and workers."""
+    return {(p.stream, p.shard) for i, p in enumerate(order)
+            if p.lo == 0 and i % world == rank and (i // world) % workers == worker}
 
 
 def groups(pieces: list[Piece], buffer: int) -> list[list[Piece]]:

@@ -1,0 +1,341 @@
+"""Shuffled token batches for training SAEs, probes and transcoders: streamed, split, resumable.
+
+`TokenBatches` walks the order of harvest.read.shuffle over the shards of a snapshot. Pieces are read
+ahead in threads (`prefetch` pieces beyond the group being served; harvest.read.pieces: ranged reads and
+what is checked). Memory holds about (buffer + prefetch) pieces of `piece_bytes`, whatever the shard size.
+Each batch is gathered straight from those bytes in the group's permuted order (one copy; a batch's rows
+come grouped by piece), then normalized and cast. A batch may span two groups; every batch but the last has
+exactly `batch_size` rows.
+
+Which shards an epoch reads. Consumers that split a run must split the same shards: a reader given
+`snapshot` (shard counts, the same on every rank) reads those in every epoch; a torch dataset hands its
+workers the snapshot it took. A reader with no snapshot reads the shards of the listing it was built from,
+and re-lists at each new epoch only when it is the sole consumer (picking up shards committed meanwhile).
+Several ranks with no snapshot on a run still being written are refused: each would list it at another
+moment and serve some tokens twice and others never.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from harvest.errors import UserError
+from harvest.read import shuffle
+from harvest.read.errors import StateError
+from harvest.read.gather import Group
+from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader
+from harvest.storage import Storage
+from harvest.store import format as fmt
+from harvest.store.records import RunInfo, Sidecar
+from harvest.store.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+NORMALIZE = (None, "standardize", "norm")
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+    """Everything the token order depends on: a saved cursor applies only under the same Order."""
+
+    seed: int
+    shuffle: bool
+    buffer: int  # pieces mixed per group
+    piece_tokens: int
+    rank: int
+    world: int
+    worker: int
+    workers: int
+    exclude: tuple[int, ...]  # token ids left out
+    streams: tuple[int, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["exclude"] = list(self.exclude)
+        out["streams"] = None if self.streams is None else list(self.streams)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Order:
+        return cls(**{**obj, "exclude": tuple(obj["exclude"]),
+                      "streams": None if obj["streams"] is None else tuple(obj["streams"])})
+
+
+@dataclasses.dataclass(frozen=True)
+class Cursor:
+    """The next row to serve: row `row` (in permuted order) of group `group` of epoch `epoch`."""
+
+    epoch: int
+    group: int
+    row: int
+
+
+def run_fingerprint(info: RunInfo) -> str:
+    return hashlib.sha256(info.to_bytes()).hexdigest()[:16]
+
+
+def torch_converter() -> Callable[[np.ndarray], Any]:
+    """numpy -> torch without a copy (bf16 through its bits)."""
+    try:
+        import torch
+    except ImportError:
+        raise UserError("token_batches(as_torch=True) needs torch: pip install torch") from None
+
+    def convert(arr: np.ndarray):
+        arr = np.ascontiguousarray(arr)
+        if arr.dtype == np.dtype(ml_dtypes.bfloat16):
+            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+    return convert
+
+
+def torch_worker() -> tuple[int, int]:
+    """(worker id, number of workers) inside a torch DataLoader worker, else (0, 1)."""
+    torch = sys.modules.get("torch")
+    info = torch.utils.data.get_worker_info() if torch is not None else None
+    return (0, 1) if info is None else (int(info.id), int(info.num_workers))
+
+
+class TokenBatches:
+    """Token rows for SAE training: {"tokens": [b], name: [b, d], ...}, numpy (or torch with as_torch), over
+    epochs. Built by `Run.token_batches(batch_size, tensors, **settings)`; the settings, with their defaults:
+
+    Order (harvest.read.shuffle): shards are cut into pieces of about `piece_bytes` of the tensors asked for;
+    the pieces are permuted per (`seed`, epoch), dealt to rank `rank` of `world` hosts and then to
+    data-loader workers (found by themselves inside a torch DataLoader, or given as `worker`/`workers`), and
+    each consumer mixes the rows of `shard_buffer` pieces at a time (`shuffle=False`: in shard order).
+    Memory: about (shard_buffer + `prefetch`) pieces, read by `io_threads` threads. Over an epoch every
+    committed token (less `exclude`, by default the run's special tokens) is served once across all
+    consumers; the last batch is short unless `drop_last`. `epoch` is the first epoch's number; `epochs`
+    how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
+    `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
+    `dtype` casts on the way out; `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the
+    run's own stats. `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()` after any batch and
+    `load_state_dict()` on a fresh reader (same run, same order settings) continue with exactly the batches
+    that were still to come.
+    """
+
+    def __init__(self, storage: Storage, view: Snapshot, batch_size: int, names: list[str], *, seed: int = 0,
+                 epoch: int = 0, epochs: int | None = 1, rank: int = 0, world: int = 1, worker: int | None = None,
+                 workers: int | None = None, shuffle: bool = True, shard_buffer: int = 16,
+                 piece_bytes: int = 32 * 2**20, prefetch: int = 8, io_threads: int = 8, drop_last: bool = False,
+                 exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
+                 verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
+                 streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None):
+        for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
+                            (world, "world"), (io_threads, "io_threads")):
+            if int(value) <= 0:
+                raise ValueError(f"{what} must be positive, got {value}")
+        if not 0 <= int(rank) < int(world):
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        if (worker is None) != (workers is None) or (workers is not None and not 0 <= worker < workers):
+            raise ValueError(f"worker/workers: give both, 0 <= worker < workers (got {worker}/{workers})")
+        for value, allowed, what in ((verify, VERIFY, "verify"), (normalize, NORMALIZE, "normalize"),
+                                     (on_corrupt, ON_CORRUPT, "on_corrupt")):
+            if value not in allowed:
+                raise ValueError(f"{what}={value!r}: use one of {', '.join(map(repr, allowed))}")
+        if dtype is not None and dtype not in fmt.DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {', '.join(fmt.DTYPES)}")
+        if snapshot is None and int(world) > 1 and not view.complete:
+            raise UserError(f"{view.url}: the run is still being written, and {world} ranks would each list it at "
+                            "another moment: give every rank the same snapshot= (run.snapshot(), taken once)")
+        self.storage, self.view, self.batch_size, self.names = storage, view, int(batch_size), names
+        self.epochs, self.drop_last = epochs, drop_last
+        self.convert = torch_converter() if as_torch else (lambda a: a)
+        self.prefetch, self.io_threads = max(int(prefetch), 0), int(io_threads)
+        stored = np.dtype(fmt.DTYPES.get(view.dtype, np.float32))
+        self.out_dtype = np.dtype(fmt.DTYPES[dtype]) if dtype else (np.dtype(np.float32) if normalize else stored)
+        self._stored = stored
+        self.pieces = PieceReader(storage, view, names, stored, verify=verify, on_corrupt=on_corrupt)
+        row_bytes = 4 + sum(view.tensors[n] * stored.itemsize for n in names)
+        self._settings = dict(seed=int(seed), shuffle=bool(shuffle), buffer=int(shard_buffer),
+                              piece_tokens=max(int(piece_bytes) // row_bytes, 1),
+                              rank=int(rank), world=int(world),
+                              exclude=tuple(sorted(set(self._excluded(exclude)))),
+                              streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
+        self._fixed_worker = None if worker is None else (int(worker), int(workers))
+        self._affine = {n: self._normalization(n, normalize) for n in names} if normalize else {}
+        self._cursor = Cursor(int(epoch), 0, 0)
+        self._first_epoch = int(epoch)
+        self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
+        self._pinned = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
+        self._loaded_order: Order | None = None
+        self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
+        self.shards_seen = 0
+
+    @property
+    def skipped_shards(self) -> set[str]:
+        return self.pieces.skipped_shards
+
+    @property
+    def verified_shards(self) -> set[str]:
+        """The shards whose bytes this consumer checked against their checksums (see harvest.read.pieces)."""
+        return self.pieces.verified_shards
+
+    # settings --------------------------------------------------------------------------------------------
+    def _excluded(self, exclude: Sequence[int] | None) -> list[int]:
+        if exclude is not None:
+            return [int(t) for t in exclude]
+        special = self.view.info.special_token_ids
+        if special is None:
+            log.info("%s: run.json records no special token ids (an older run): no token is left out; "
+                     "pass exclude=[ids] to leave some out", self.view.url)
+            return []
+        return [int(t) for t in special]
+
+    def _normalization(self, name: str, how: str) -> tuple[np.ndarray, np.ndarray]:
+        """(shift, scale) with out = (x - shift) * scale, from the run's own merged stats."""
+        stats = self.view.stats(name)
+        if stats.count == 0:
+            raise UserError(f"{self.view.url}: normalize={how!r} needs statistics, and {name} has no token yet")
+        if how == "standardize":
+            return stats.mean.astype(np.float32), (1 / np.sqrt(np.maximum(stats.var, 1e-12))).astype(np.float32)
+        mean_sq_norm = float(np.sum(stats.m2 / stats.count + stats.mean**2))  # E ||x||^2 over the run
+        scale = np.sqrt(len(stats.mean) / max(mean_sq_norm, 1e-12))
+        return np.zeros(len(stats.mean), np.float32), np.full(len(stats.mean), scale, np.float32)
+
+    def order(self) -> Order:
+        worker, workers = self._fixed_worker or torch_worker()
+        return Order(worker=worker, workers=workers, **self._settings)
+
+    # state -----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Where this reader stands: JSON-serializable, for a trainer's checkpoint."""
+        counts = self._epoch_counts
+        return {"version": STATE_VERSION, "run": run_fingerprint(self.view.info),
+                "order": (self._loaded_order or self.order()).to_json(), "epoch": self._cursor.epoch,
+                "group": self._cursor.group, "row": self._cursor.row, "first_epoch": self._first_epoch,
+                "shards": None if counts is None else {str(s): n for s, n in counts.items()},
+                "skipped_shards": sorted(self.skipped_shards)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` (from `state_dict`) stood. Refused with one line if it is another run's,
+        or was saved under other order settings (seed, split, buffer, filters)."""
+        url, mine_run = self.view.url, run_fingerprint(self.view.info)
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise StateError(f"{url}: not a reader state (want the dict state_dict() returned)")
+        if state["run"] != mine_run:
+            raise StateError(f"{url}: the reader state was saved for another run "
+                             f"(run.json fingerprint {state['run']}, this run's {mine_run})")
+        saved, mine = Order.from_json(state["order"]), self.order()
+        if saved != mine:
+            diff = ", ".join(f"{k}={getattr(saved, k)!r} (now {getattr(mine, k)!r})"
+                             for k in Order.__dataclass_fields__ if getattr(saved, k) != getattr(mine, k))
+            raise StateError(f"{url}: the reader state was saved with other settings: {diff}")
+        counts = state["shards"]
+        self._epoch_counts = None if counts is None else {int(s): int(n) for s, n in counts.items()}
+        self._cursor = Cursor(int(state["epoch"]), int(state["group"]), int(state["row"]))
+        self._first_epoch = int(state["first_epoch"])
+        self.skipped_shards.update(state["skipped_shards"])
+        self._loaded_order = saved
+
+    # the plan --------------------------------------------------------------------------------------------
+    def _epoch_shards(self, order: Order) -> list[Sidecar]:
+        """The epoch's shards: as the saved state or the snapshot fixed them, else the reader's listing
+        (re-listed at a new epoch of a run still being written when this is the only consumer)."""
+        counts = self._epoch_counts if self._epoch_counts is not None else self._pinned
+        sole = order.world * order.workers == 1
+        if counts is None and sole and self._cursor.epoch > self._first_epoch and not self.view.complete:
+            self.view = Snapshot.take(self.storage)
+        if counts is not None and any(len(self.view.of_stream(s)) < n for s, n in counts.items()):
+            self.view = Snapshot.take(self.storage)
+        wanted = None if order.streams is None else set(order.streams)
+        if counts is None:
+            counts = {s: n for s, n in self.view.counts().items() if wanted is None or s in wanted}
+        try:
+            view = self.view.limited({s: n for s, n in counts.items() if wanted is None or s in wanted})
+        except ValueError as e:
+            raise StateError(f"{self.view.url}: the reader state or snapshot is not this run's ({e})") from None
+        self._epoch_counts = counts
+        writing = sum(1 for s in counts if not view.done(s))
+        self.shards_seen = len(view.shards)
+        log.info("%s: epoch %d reads %d committed shards (%d tokens, %d streams%s)", view.url, self._cursor.epoch,
+                 len(view.shards), view.num_tokens, len(counts), f", {writing} still being written" if writing else "")
+        return list(view.shards)
+
+    def _plan(self, order: Order, shards: list[Sidecar]) -> list[list[shuffle.Piece]]:
+        """This consumer's groups of pieces for the epoch; marks the shards whose bytes it verifies."""
+        pieces = shuffle.cut([(sc.stream, sc.shard, sc.tokens) for sc in shards], order.piece_tokens)
+        everyone = shuffle.epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle)
+        mine = shuffle.share(everyone, order.rank, order.world, order.worker, order.workers)
+        owned = shuffle.shards_to_verify(everyone, order.rank, order.world, order.worker, order.workers)
+        self.pieces.to_verify = owned - self._planned
+        self._planned |= {(sc.stream, sc.shard) for sc in shards}
+        return shuffle.groups(mine, order.buffer)
+
+    # iteration -------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        order = self._loaded_order or self.order()
+        self._loaded_order = order
+        while self.epochs is None or self._cursor.epoch < self._first_epoch + self.epochs:
+            sidecars = {(sc.stream, sc.shard): sc for sc in self._epoch_shards(order)}
+            plan = self._plan(order, list(sidecars.values()))
+            yield from self._serve(order, plan, sidecars)
+            self._cursor, self._epoch_counts = Cursor(self._cursor.epoch + 1, 0, 0), None
+
+    def _serve(self, order: Order, plan: list[list[shuffle.Piece]], sidecars: dict) -> Iterator[dict[str, Any]]:
+        """The epoch's batches from the cursor on; pieces are read `prefetch` ahead of the group served."""
+        epoch, start = self._cursor.epoch, self._cursor
+        todo = [p for g in range(start.group, len(plan)) for p in plan[g]]
+        pending: collections.deque[Future] = collections.deque()
+        submitted = boundary = 0
+        pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="harvest-read")
+        out: dict[str, np.ndarray] | None = None
+        filled = 0
+        try:
+            for g in range(start.group, len(plan)):
+                boundary += len(plan[g])
+                while submitted < min(boundary + self.prefetch, len(todo)):
+                    piece = todo[submitted]
+                    pending.append(pool.submit(self.pieces.read, piece, sidecars[(piece.stream, piece.shard)],
+                                               order.exclude))
+                    submitted += 1
+                group = Group([pending.popleft().result() for _ in plan[g]])
+                perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle)
+                row = start.row if g == start.group else 0
+                while row < group.rows:
+                    if out is None:
+                        out = {k: np.empty((self.batch_size, *shape), dtype)
+                               for k, (shape, dtype) in self.pieces.raw.items()}
+                        filled = 0
+                    take = min(self.batch_size - filled, group.rows - row)
+                    group.gather(perm[row:row + take], out, filled)
+                    filled += take
+                    row += take
+                    if filled == self.batch_size:
+                        self._cursor = Cursor(epoch, g, row) if row < group.rows else Cursor(epoch, g + 1, 0)
+                        yield self._emit(out)
+                        out = None
+                del group
+            if out is not None and filled and not self.drop_last:
+                self._cursor = Cursor(epoch, len(plan), 0)
+                yield self._emit({k: v[:filled] for k, v in out.items()})
+        finally:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
+        """A gathered batch in the stored dtypes' bits -> normalized, cast, converted."""
+        cols = {"tokens": raw["tokens"]}
+        for n in self.names:
+            x = raw[n].view(self._stored)
+            if n in self._affine:
+                shift, scale = self._affine[n]
+                x = ((x.astype(np.float32) - shift) * scale).astype(self.out_dtype, copy=False)
+            elif x.dtype != self.out_dtype:
+                x = x.astype(self.out_dtype)
+            cols[n] = x
+        return {k: self.convert(v) for k, v in cols.items()}

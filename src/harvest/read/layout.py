@@ -1,0 +1,84 @@
+"""A shard's bytes as token batches fetch them: rows of a tensor as one ranged read (or a view of the mapped
+local file), the header checked against the sidecar and run.json, and the bytes checked against checksums.
+
+Where tensors lie, and whole-file or range hashing, are harvest.store.shardfile's (verify uses them too).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from harvest.storage import Storage
+from harvest.store.records import Sidecar
+from harvest.store.shardfile import ShardLayout, TensorSpan, file_sha256, range_sha256, read_layout
+
+
+def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of one tensor, fetched as one ranged read. ValueError if the file is cut short."""
+    start, end = span.rows(lo, hi)
+    data = storage.read_range(rel, start, end) if end > start else b""
+    if len(data) != end - start:
+        raise ValueError(f"the file ends {end - start - len(data)} bytes short of what its header describes")
+    return np.frombuffer(data, span.dtype).reshape((hi - lo, *span.shape[1:]))
+
+
+def rows_of(buf, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of one tensor of a whole file held in `buf` (bytes or a memory map), without a copy."""
+    start, end = span.rows(lo, hi)
+    if end > len(buf):
+        raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
+    count = (hi - lo) * (span.row_bytes // span.dtype.itemsize)
+    return np.frombuffer(buf, span.dtype, count=count, offset=start).reshape((hi - lo, *span.shape[1:]))
+
+
+def prefault(arr: np.ndarray) -> None:
+    """Touch one byte per page of a mapped array, so the reading thread, not the consumer, waits for the disk."""
+    if arr.size:
+        int(arr.reshape(-1).view(np.uint8)[::mmap.PAGESIZE].sum())
+
+
+def checked_layout(storage: Storage, rel: str, sidecar: Sidecar, widths: dict[str, int], stored: np.dtype,
+                   dtype_name: str) -> ShardLayout:
+    """The shard's header, checked: it names this shard, describes the sidecar's byte count, and holds
+    `tokens` and each tensor of `widths` with the sidecar's token count, run.json's width and dtype; the
+    file has the sidecar's length. Raises ValueError naming what does not match."""
+    layout = read_layout(storage, rel)
+    fields, tokens = layout.fields, sidecar.tokens
+    if (fields.get("stream"), fields.get("shard")) != (str(sidecar.stream), str(sidecar.shard)):
+        raise ValueError(f"its header names stream {fields.get('stream')} shard {fields.get('shard')}")
+    if layout.size != sidecar.bytes:
+        raise ValueError(f"its header describes {layout.size} bytes, its sidecar {sidecar.bytes}")
+    for k in ("tokens", *widths):
+        span = layout.tensors.get(k)
+        want = (tokens,) if k == "tokens" else (tokens, widths[k])
+        if span is None or span.shape != want:
+            raise ValueError(f"tensor {k!r} is {'missing' if span is None else list(span.shape)}, "
+                             f"the sidecar and run.json say {list(want)}")
+        if k != "tokens" and span.dtype != stored:
+            raise ValueError(f"tensor {k!r} is {span.dtype}, run.json says {dtype_name}")
+    size = storage.size(rel)
+    if size != sidecar.bytes:
+        raise ValueError(f"the file is {size} bytes, its sidecar says {sidecar.bytes} (cut short or replaced)")
+    return layout
+
+
+def verify_bytes(storage: Storage, rel: str, layout: ShardLayout, sidecar: Sidecar, names: list[str]) -> int:
+    """Check the bytes of the tensors `names` against the sidecar's per-tensor sha256, or, in a sidecar
+    written before harvest recorded those, the whole file against its sha256. Returns the bytes hashed;
+    raises ValueError naming what does not match."""
+    if sidecar.tensor_sha256 is None:
+        if file_sha256(storage, rel) != sidecar.sha256:
+            raise ValueError(f"its sha256 does not match its sidecar's ({sidecar.sha256[:12]}...)")
+        return sidecar.bytes
+    hashed = 0
+    for name in names:
+        want = sidecar.tensor_sha256.get(name)
+        if not isinstance(want, str):
+            raise ValueError(f"its sidecar has no sha256 for tensor {name!r}")
+        span = layout.tensors[name]
+        if range_sha256(storage, rel, span.start, span.end) != want:
+            raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
+        hashed += span.end - span.start
+    return hashed

@@ -1,0 +1,119 @@
+"""Reading a piece (rows [lo, hi) of one shard) for token batches: from object storage as one ranged read
+per tensor asked for, from local disk as views of the memory-mapped file whose pages the reading thread
+faults in; and the rows to leave out (special tokens).
+
+What is checked, and when. Every consumer checks a shard's header before serving its first piece of it
+(once per reader): it parses, names this shard, describes the sidecar's byte count and token count and
+the run's widths and dtype, the file has the sidecar's length, and every range arrives whole. Bytes are
+checked against checksums by one consumer per shard among all ranks and data-loader workers (the one
+dealt the shard's first piece, harvest.read.shuffle), once per reader, before it serves any of the
+shard's pieces: with the sidecar's per-tensor sha256, the tensors asked for (their bytes read once more
+at most: less than the data served); in a sidecar from before those existed, the whole file. `verify`:
+"sha256" always does so; "auto" (default) does so with per-tensor checksums, and in older runs only when
+the tensors asked for are at least half of a shard's bytes; "header" never. A shard that fails stops the
+reader with one line naming it, or with `on_corrupt="skip"` is left out (the pieces of it this consumer
+reads) and counted in `skipped_shards`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+
+from harvest.read.errors import CorruptShardError
+from harvest.read.gather import Part
+from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, verify_bytes
+from harvest.read.shuffle import Piece
+from harvest.storage import Storage
+from harvest.store.records import Sidecar
+from harvest.store.shardfile import ShardLayout, map_file
+from harvest.store.snapshot import Snapshot, shard_path
+
+log = logging.getLogger(__name__)
+
+VERIFY = ("auto", "sha256", "header")
+ON_CORRUPT = ("stop", "skip")
+
+
+class PieceReader:
+    """Reads pieces of one run's shards for one consumer; safe to call from many reading threads."""
+
+    def __init__(self, storage: Storage, view: Snapshot, names: list[str], stored: np.dtype, *, verify: str,
+                 on_corrupt: str):
+        self.storage, self.names, self.stored = storage, names, stored
+        self.keys = ["tokens", *names]
+        self.raw = {"tokens": ((), np.dtype(np.int32)),  # gathered as unsigned ints: the same bits, a fast copy
+                    **{n: ((view.tensors[n],), np.dtype(f"u{stored.itemsize}")) for n in names}}
+        self.widths, self.dtype_name, self.url = {n: view.tensors[n] for n in names}, view.dtype, view.url
+        asked = sum(view.tensors[n] for n in names) * stored.itemsize + 4
+        every = sum(view.tensors.values()) * stored.itemsize + 4
+        self.verify, self.on_corrupt, self._whole_file_pays = verify, on_corrupt, 2 * asked >= every
+        self.to_verify: set[tuple[int, int]] = set()  # shards this consumer checks the bytes of (set per epoch)
+        self._layouts: dict[str, Future] = {}  # shard -> its checked ShardLayout, once per reader
+        self._lock = threading.Lock()
+        self.skipped_shards: set[str] = set()
+        self.verified_shards: set[str] = set()
+        self.bytes_hashed = 0
+
+    def read(self, piece: Piece, sc: Sidecar, exclude: tuple[int, ...]) -> Part:
+        """A piece's rows (views of mapped or fetched bytes, as unsigned ints of the stored width) and which
+        of them to serve: runs in the reading threads."""
+        rel = shard_path(sc)
+        try:
+            cols = self._ranged(rel, sc, piece)
+        except (ValueError, FileNotFoundError) as e:
+            if self.on_corrupt == "stop":
+                raise CorruptShardError(f"{self.url}/{rel}: {e}; run `harvest verify {self.url}`, or read "
+                                        f"past it with on_corrupt='skip'") from None
+            log.warning("%s/%s: %s; skipped", self.url, rel, e)
+            with self._lock:
+                self.skipped_shards.add(rel)
+            return Part({k: np.empty((0, *shape), dtype) for k, (shape, dtype) in self.raw.items()}, None)
+        cols = {k: v.view(self.raw[k][1]) for k, v in cols.items()}
+        keep = None
+        if exclude:
+            mask = ~np.isin(cols["tokens"], exclude)
+            keep = None if mask.all() else np.flatnonzero(mask)
+        return Part(cols, keep)
+
+    def _ranged(self, rel: str, sc: Sidecar, piece: Piece) -> dict[str, np.ndarray]:
+        layout = self._layout(rel, sc)
+        if not self.storage.is_local:
+            return {k: read_rows(self.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+        buf = map_file(self.storage.path(rel))  # the page cache, copied once: where a batch gathers its rows
+        cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+        for v in cols.values():
+            prefault(v)
+        return cols
+
+    def _layout(self, rel: str, sc: Sidecar) -> ShardLayout:
+        """A shard's header, read and checked once per reader (and its bytes when this consumer verifies
+        them), whichever reading thread gets there first; the others wait for it."""
+        with self._lock:
+            known = self._layouts.get(rel)
+            mine = known is None
+            if mine:
+                known = self._layouts[rel] = Future()
+        if mine:
+            try:
+                known.set_result(self._check(rel, sc))
+            except BaseException as e:
+                known.set_exception(e)
+        return known.result()
+
+    def _check(self, rel: str, sc: Sidecar) -> ShardLayout:
+        layout = checked_layout(self.storage, rel, sc, self.widths, self.stored, self.dtype_name)
+        if (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
+            hashed = verify_bytes(self.storage, rel, layout, sc, self.keys)
+            with self._lock:
+                self.verified_shards.add(rel)
+                self.bytes_hashed += hashed
+        return layout
+
+    def _hashes(self, sc: Sidecar) -> bool:
+        if self.verify == "header":
+            return False
+        return self.verify == "sha256" or sc.tensor_sha256 is not None or self._whole_file_pays

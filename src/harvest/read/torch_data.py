@@ -1,0 +1,48 @@
+"""A torch IterableDataset over a run's token batches, for DataLoader(num_workers=k).
+
+The dataset is made in the rank's own process and holds a snapshot of the run (plain data: run.json and
+the committed shards' sidecars), taken there once; DataLoader hands it to every worker, so the k workers
+split the same shards, whatever is committed while they start, and together serve the rank's share once.
+A worker lists nothing: it reads the shards its snapshot names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch.utils.data
+
+from harvest.errors import UserError
+from harvest.read.batches import TokenBatches
+from harvest.read.errors import StateError
+from harvest.storage import Storage
+from harvest.store.snapshot import Snapshot
+
+
+class TokenDataset(torch.utils.data.IterableDataset):
+    """Batches of torch tensors; use with DataLoader(ds, batch_size=None). Built by `Run.torch_dataset`."""
+
+    def __init__(self, url: str, view: Snapshot, batch_size: int, names: list[str], settings: dict[str, Any]):
+        super().__init__()
+        settings = dict(settings)
+        counts = settings.pop("snapshot", None)
+        if counts is None and int(settings.get("world", 1)) > 1 and not view.complete:
+            raise UserError(f"{url}: the run is still being written, and each rank's dataset would list it at "
+                            "another moment: give every rank's dataset the same snapshot= (run.snapshot(), taken once)")
+        if counts is not None and any(len(view.of_stream(int(s))) < int(n) for s, n in counts.items()):
+            view = Snapshot.take(Storage(url))  # the snapshot given was taken after this Run was opened
+        try:
+            self.view = view if counts is None else view.limited(counts)
+        except ValueError as e:
+            raise StateError(f"{url}: the snapshot given is not this run's ({e})") from None
+        self.url, self.batch_size, self.names, self.settings = url, batch_size, names, settings
+
+    @property
+    def snapshot(self) -> dict[int, int]:
+        """{stream: shards} this dataset reads: give it to the other ranks' datasets (snapshot=...)."""
+        return self.view.counts()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(TokenBatches(Storage(self.url), self.view, self.batch_size, self.names, as_torch=True,
+                                 snapshot=self.view.counts(), **self.settings))

@@ -1,0 +1,160 @@
+"""What a run holds at one moment: its run.json and the sidecars of the shards committed then.
+
+A `Snapshot` is plain data (a URL, a RunInfo and Sidecars), so it can be handed to data-loader workers or
+other ranks: every reader given the same one reads the same shards, however far the run has grown since.
+Totals and merged stats come from the sidecars alone; `read_shard` and `shard_samples` decode a shard's
+data object whole (status/inspect, sample access); token batches read ranges instead (harvest.read).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from harvest.errors import UserError
+from harvest.storage import Storage
+from harvest.store import format as fmt
+from harvest.store.listing import covered_streams, read_run_info, read_sidecars
+from harvest.store.records import RunInfo, Sidecar
+
+ShardCounts = Mapping[int, int]  # {stream: committed shards}: how ranks agree on the shards they split
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sample (a record, or one variant of it): its tokens and every captured tensor, [n_tokens, d]."""
+
+    sample_id: int
+    variant: int
+    tokens: np.ndarray
+    activations: dict[str, np.ndarray]
+    stream: int = -1
+    shard: int = -1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """run.json and the committed shards' sidecars, by (stream, shard). `take` lists a run; `limited` keeps
+    the first shards of each stream, as another reader's `counts()` names them."""
+
+    url: str
+    info: RunInfo
+    shards: tuple[Sidecar, ...]
+
+    @classmethod
+    def take(cls, storage: Storage) -> Snapshot:
+        info = read_run_info(storage)
+        return cls(storage.url, info, tuple(sorted(read_sidecars(storage), key=lambda sc: (sc.stream, sc.shard))))
+
+    def limited(self, counts: ShardCounts) -> Snapshot:
+        """The first counts[stream] shards of each stream named (streams not named are left out).
+        ValueError when this snapshot holds fewer: it was taken before the one `counts` came from."""
+        short = {s: n for s, n in counts.items() if len(self.of_stream(s)) < n}
+        if short:
+            s, n = next(iter(short.items()))
+            raise ValueError(f"stream {s}: {n} shards named, {len(self.of_stream(s))} committed")
+        keep = {int(s): int(n) for s, n in counts.items()}
+        return dataclasses.replace(self, shards=tuple(sc for sc in self.shards if sc.shard < keep.get(sc.stream, 0)))
+
+    @functools.cached_property
+    def _by_stream(self) -> dict[int, list[Sidecar]]:
+        by: dict[int, list[Sidecar]] = collections.defaultdict(list)
+        for sc in self.shards:
+            by[sc.stream].append(sc)
+        return by
+
+    def of_stream(self, stream: int) -> list[Sidecar]:
+        """Sidecars of one stream's committed shards, in order."""
+        return list(self._by_stream.get(stream, []))
+
+    def counts(self) -> dict[int, int]:
+        """{stream: committed shards}: give it to every rank so that they split the same shards."""
+        return {s: len(scs) for s, scs in self._by_stream.items()}
+
+    @property
+    def streams(self) -> list[int]:
+        """Streams with at least one committed shard."""
+        return sorted(self._by_stream)
+
+    @property
+    def tensors(self) -> dict[str, int]:
+        return {name: int(width) for name, width in self.info.tensors.items()}
+
+    @property
+    def dtype(self) -> str:
+        return self.info.dtype
+
+    @property
+    def num_samples(self) -> int:
+        return sum(sc.samples for sc in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(sc.tokens for sc in self.shards)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(sc.bytes for sc in self.shards)
+
+    def done(self, stream: int) -> bool:
+        scs = self._by_stream.get(stream)
+        return bool(scs) and scs[-1].final
+
+    @property
+    def complete(self) -> bool:
+        """Every stream the run covers has its final shard: nothing more will be committed."""
+        return all(self.done(s) for s in covered_streams(self.info))
+
+    def stats(self, name: str) -> fmt.RunningStats:
+        """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
+        width = int(self.info.tensors[name])
+        parts = []
+        for sc in self.shards:
+            entry = sc.stats.get(name)
+            if entry is None:
+                if sc.tokens == 0:
+                    continue
+                raise UserError(f"{self.url}/{fmt.stream_dir(sc.stream)}/{fmt.shard_stem(sc.shard)}"
+                                f".json: no stats for {name}; run `harvest verify {self.url}`")
+            parts.append(fmt.RunningStats.from_json(entry))
+        if not parts:
+            return fmt.RunningStats(0, np.zeros(width), np.zeros(width))
+        while len(parts) > 1:  # pairwise: rounding grows with log(shards), not shards
+            parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        return parts[0]
+
+
+def shard_path(sidecar: Sidecar) -> str:
+    """The data object a sidecar commits, relative to the run."""
+    return f"{fmt.stream_dir(sidecar.stream)}/{sidecar.file}"
+
+
+def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
+    """All tensors of one committed shard (read whole and decoded)."""
+    rel = shard_path(sidecar)
+    try:
+        return fmt.decode_shard(storage.read_bytes(rel))
+    except ValueError as e:
+        raise UserError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None
+
+
+def sample_at(sidecar: Sidecar, tensors: dict[str, np.ndarray], names: list[str], row: int) -> Sample:
+    """Sample `row` of a decoded shard; its arrays are views into the shard's."""
+    lo, hi = int(tensors["offsets"][row]), int(tensors["offsets"][row + 1])
+    return Sample(sample_id=int(tensors["sample_ids"][row]), variant=int(tensors["variants"][row]),
+                  tokens=tensors["tokens"][lo:hi], activations={name: tensors[name][lo:hi] for name in names},
+                  stream=sidecar.stream, shard=sidecar.shard)
+
+
+def shard_samples(storage: Storage, sidecar: Sidecar, names: list[str]) -> Iterator[Sample]:
+    """The samples of one committed shard, in order (one read of the shard)."""
+    tensors = read_shard(storage, sidecar)
+    for row in range(len(tensors["sample_ids"])):
+        yield sample_at(sidecar, tensors, names, row)
