@@ -11,72 +11,13 @@ from __future__ import annotations
 
 import json
 
-import ml_dtypes
 import numpy as np
 import pytest
+from reader_helpers import TENSORS, RunWriter, small_run
 
 from harvest.errors import UserError
-from harvest.store import format as fmt
-from harvest.storage import Storage
 from harvest.read import CorruptShardError, StateError, UnknownTensorError, open_run
-from harvest.store.records import Sidecar
-
-SPECIAL = (0, 1)
-TENSORS = {"resid_post.3": 24, "mlp_out.3": 16}
-
-
-class RunWriter:
-    """Writes a run shard by shard, remembering every row: token id -> {tensor: values}."""
-
-    def __init__(self, url: str, tensors: dict[str, int] = TENSORS, streams: int = 3, seed: int = 0,
-                 special: bool = True):
-        self.storage, self.tensors, self.streams = Storage(url), tensors, streams
-        self.rng = np.random.default_rng(seed)
-        self.rows: dict[int, dict[str, np.ndarray]] = {}
-        self.next_token, self.shards = 100, [0] * streams
-        self.positions = [0] * streams
-        self.storage.write_json("run.json", {
-            "format_version": fmt.FORMAT_VERSION, "harvest_version": "0.0.test", "model": {"source": f"tiny{seed}"},
-            "tokenizer_sha256": "1" * 64, "points": [], "tensors": tensors, "dtype": "bfloat16",
-            "compute_dtype": "float32", "max_seq_len": 64, "long": "truncate", "format": "text",
-            "data": {"source": "data.jsonl", "num_streams": streams, "counts": None, "mapping": "round_robin"},
-            **({"special_token_ids": list(SPECIAL)} if special else {}), "config": {}, "config_sha256": "2" * 64})
-
-    def shard(self, stream: int, lengths: list[int], *, final: bool = False, commit: bool = True) -> str:
-        """One shard of samples of `lengths` tokens, each starting with a special token."""
-        n = sum(lengths)
-        tokens = np.arange(self.next_token, self.next_token + n, dtype=np.int32)
-        self.next_token += n
-        starts = np.cumsum([0, *lengths[:-1]])
-        tokens[starts] = self.rng.choice(SPECIAL, len(starts))
-        acts = {k: (self.rng.normal(size=(n, w)) * 3 + 1).astype(ml_dtypes.bfloat16) for k, w in self.tensors.items()}
-        for i, t in enumerate(tokens.tolist()):
-            if t not in SPECIAL:
-                self.rows[t] = {k: a[i] for k, a in acts.items()}
-        k, first = self.shards[stream], self.positions[stream]
-        data = fmt.encode_shard(acts, tokens, np.array(lengths), np.arange(first, first + len(lengths)) * self.streams
-                                + stream, np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
-        manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
-                                    row_start=(first, 0), samples=len(lengths), tokens=n,
-                                    stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=[],
-                                    long={}, final=final, records=first + len(lengths))
-        rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(k)}"
-        self.storage.write_bytes(rel + ".safetensors", data)
-        if commit:
-            self.storage.write_bytes(rel + ".json", manifest.to_bytes())
-            self.shards[stream] += 1
-            self.positions[stream] += len(lengths)
-        return rel + ".safetensors"
-
-
-def small_run(url: str, **kw) -> RunWriter:
-    """3 streams, 2-3 shards each, samples of 3..40 tokens."""
-    w = RunWriter(url, **kw)
-    for s in range(3):
-        for k in range(2 + (s == 0)):
-            w.shard(s, [int(x) for x in w.rng.integers(3, 40, 6)], final=k == 1 + (s == 0))
-    return w
-
+from harvest.store import format as fmt
 
 @pytest.fixture
 def written(tmp_path) -> RunWriter:

@@ -6,6 +6,7 @@ Where tensors lie, and whole-file or range hashing, are harvest.store.shardfile'
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 
 import numpy as np
@@ -81,4 +82,19 @@ def verify_bytes(storage: Storage, rel: str, layout: ShardLayout, sidecar: Sidec
         if range_sha256(storage, rel, span.start, span.end) != want:
             raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
         hashed += span.end - span.start
+    return hashed
+
+
+def verify_fetched(cols: dict[str, np.ndarray], sidecar: Sidecar) -> int:
+    """Check whole tensors as fetched (a piece that is a whole shard) against the sidecar's per-tensor sha256.
+    Returns the bytes hashed; raises ValueError naming a tensor that does not match."""
+    hashed = 0
+    for name, arr in cols.items():
+        want = (sidecar.tensor_sha256 or {}).get(name)
+        if not isinstance(want, str):
+            raise ValueError(f"its sidecar has no sha256 for tensor {name!r}")
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # bf16 has no buffer format: hash its bytes
+        if hashlib.sha256(data).hexdigest() != want:
+            raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
+        hashed += data.nbytes
     return hashed

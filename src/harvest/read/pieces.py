@@ -7,12 +7,13 @@ What is checked, and when. Every consumer checks a shard's header before serving
 the run's widths and dtype, the file has the sidecar's length, and every range arrives whole. Bytes are
 checked against checksums by one consumer per shard among all ranks and data-loader workers (the one
 dealt the shard's first piece, harvest.read.shuffle), once per reader, before it serves any of the
-shard's pieces: with the sidecar's per-tensor sha256, the tensors asked for (their bytes read once more
-at most: less than the data served); in a sidecar from before those existed, the whole file. `verify`:
-"sha256" always does so; "auto" (default) does so with per-tensor checksums, and in older runs only when
-the tensors asked for are at least half of a shard's bytes; "header" never. A shard that fails stops the
-reader with one line naming it, or with `on_corrupt="skip"` is left out (the pieces of it this consumer
-reads) and counted in `skipped_shards`.
+shard's pieces. With the sidecar's per-tensor sha256 it checks the tensors asked for: a piece that is a
+whole shard by the bytes it fetched, a shard cut into pieces by reading those tensors once more (less
+than the data served). A sidecar from before those existed has only the whole file's sha256, so the
+whole file is read. `verify`: "sha256" always checks; "auto" (default) checks with per-tensor checksums,
+and in older runs only when the tensors asked for are at least half of a shard's bytes; "header" never.
+A shard that fails stops the reader with one line naming it, or with `on_corrupt="skip"` is left out (the
+pieces of it this consumer reads) and counted in `skipped_shards`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from harvest.read.errors import CorruptShardError
 from harvest.read.gather import Part
-from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, verify_bytes
+from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, verify_bytes, verify_fetched
 from harvest.read.shuffle import Piece
 from harvest.storage import Storage
 from harvest.store.records import Sidecar
@@ -53,6 +54,7 @@ class PieceReader:
         self.verify, self.on_corrupt, self._whole_file_pays = verify, on_corrupt, 2 * asked >= every
         self.to_verify: set[tuple[int, int]] = set()  # shards this consumer checks the bytes of (set per epoch)
         self._layouts: dict[str, Future] = {}  # shard -> its checked ShardLayout, once per reader
+        self._verify_fetched: set[str] = set()  # shards read as one piece, checked by the bytes fetched
         self._lock = threading.Lock()
         self.skipped_shards: set[str] = set()
         self.verified_shards: set[str] = set()
@@ -80,16 +82,20 @@ class PieceReader:
         return Part(cols, keep)
 
     def _ranged(self, rel: str, sc: Sidecar, piece: Piece) -> dict[str, np.ndarray]:
-        layout = self._layout(rel, sc)
+        layout = self._layout(rel, sc, whole=piece.lo == 0 and piece.hi == sc.tokens)
         if not self.storage.is_local:
-            return {k: read_rows(self.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
-        buf = map_file(self.storage.path(rel))  # the page cache, copied once: where a batch gathers its rows
-        cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
-        for v in cols.values():
-            prefault(v)
+            cols = {k: read_rows(self.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+        else:
+            buf = map_file(self.storage.path(rel))  # the page cache, copied once: where a batch gathers its rows
+            cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
+            for v in cols.values():
+                prefault(v)
+        if rel in self._verify_fetched:
+            self._record(rel, verify_fetched(cols, sc))
+            self._verify_fetched.discard(rel)
         return cols
 
-    def _layout(self, rel: str, sc: Sidecar) -> ShardLayout:
+    def _layout(self, rel: str, sc: Sidecar, whole: bool) -> ShardLayout:
         """A shard's header, read and checked once per reader (and its bytes when this consumer verifies
         them), whichever reading thread gets there first; the others wait for it."""
         with self._lock:
@@ -99,19 +105,26 @@ class PieceReader:
                 known = self._layouts[rel] = Future()
         if mine:
             try:
-                known.set_result(self._check(rel, sc))
+                known.set_result(self._check(rel, sc, whole))
             except BaseException as e:
                 known.set_exception(e)
         return known.result()
 
-    def _check(self, rel: str, sc: Sidecar) -> ShardLayout:
+    def _check(self, rel: str, sc: Sidecar, whole: bool) -> ShardLayout:
+        """The header checked; the bytes too when this consumer verifies the shard: now, or, for a shard
+        read whole with per-tensor checksums, by the bytes its one piece fetches (before they are served)."""
         layout = checked_layout(self.storage, rel, sc, self.widths, self.stored, self.dtype_name)
         if (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
-            hashed = verify_bytes(self.storage, rel, layout, sc, self.keys)
-            with self._lock:
-                self.verified_shards.add(rel)
-                self.bytes_hashed += hashed
+            if whole and sc.tensor_sha256 is not None:
+                self._verify_fetched.add(rel)
+            else:
+                self._record(rel, verify_bytes(self.storage, rel, layout, sc, self.keys))
         return layout
+
+    def _record(self, rel: str, hashed: int) -> None:
+        with self._lock:
+            self.verified_shards.add(rel)
+            self.bytes_hashed += hashed
 
     def _hashes(self, sc: Sidecar) -> bool:
         if self.verify == "header":
