@@ -43,6 +43,7 @@ class RecordedJobs:
     def __init__(self, records: list[dict[str, Any]] | None = None):
         self.records = list(records or [])
         self.launched: list[str] = []
+        self.tasks: list[dict[str, Any]] = []
         self.cancelled: list[str] = []
         self._ids = itertools.count(1 + max((r["job_id"] for r in self.records), default=0))
 
@@ -52,6 +53,7 @@ class RecordedJobs:
     def launch(self, task: dict[str, Any], name: str) -> None:
         assert task["name"] == name
         self.launched.append(name)
+        self.tasks.append(task)
         self.records.append(record(next(self._ids), name, "PENDING"))
 
     def cancel(self, name: str) -> None:

@@ -1,11 +1,14 @@
-"""`harvest fleet`: the users' four-region fleet planned into SkyPilot tasks that SkyPilot itself loads; every
-refusal one line; `up` idempotent and `status` joined with storage, through the one SkyPilot module fed
-recorded job records (no cloud is reachable here); the accelerator table against Google's documents."""
+"""`harvest fleet`: the users' four-region fleet (its streams in a GCS bucket, fake-gcs-server here) planned
+into SkyPilot tasks that SkyPilot itself loads; every refusal one line, local paths included; an image's
+command forwards the environment by name and runs under an init; job names of different fleets never meet;
+`up` idempotent and `status` joined with storage, through the one SkyPilot module fed recorded job records
+(no cloud is reachable here); the accelerator table against Google's documents."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -15,12 +18,14 @@ from pathlib import Path
 import pytest
 from fleet_helpers import FOUR_REGIONS, RecordedJobs, record, write_fleet
 from rich.console import Console
+from storage_servers import create_gcs_bucket
 from test_reader_verify import COUNTS, fake_run
 
 from harvest.cli import build_parser, main
 from harvest.data.streams import create_streams
 from harvest.errors import UserError
 from harvest.fleet import launch, status
+from harvest.fleet.container import CREDENTIAL_ENV, RUNTIME_ENV, SKYPILOT_ENV
 from harvest.fleet.plan import make_plan, task_config
 from harvest.fleet.sky import skypilot_python
 from harvest.fleet.spec import load_fleet
@@ -29,12 +34,15 @@ from harvest.store.verify import verify, verify_all
 
 
 @pytest.fixture(scope="module")
-def streams32(tmp_path_factory) -> str:
+def streams32(tmp_path_factory, gcs_server) -> str:
+    """32 streams in a bucket, where a cloud fleet's data lives (plan reads their streams.json there)."""
     root = tmp_path_factory.mktemp("streams32")
     source = root / "tasks.jsonl"
     source.write_text("".join(json.dumps({"text": f"task {i}"}) + "\n" for i in range(64)))
-    create_streams(str(source), 32, str(root / "streams"))
-    return str(root / "streams")
+    bucket = f"fleet-streams-{os.getpid()}"
+    create_gcs_bucket(gcs_server, bucket)
+    create_streams(str(source), 32, f"gs://{bucket}/arc-streams")
+    return f"gs://{bucket}/arc-streams"
 
 
 @pytest.fixture
@@ -85,27 +93,36 @@ out = []
 for path in sys.argv[1:]:
     task = sky.Task.from_yaml(path)
     out.append({"name": task.name, "num_nodes": task.num_nodes, "setup": task.setup, "run": task.run,
-                "envs": task.envs, "resources": [
+                "envs": task.envs, "secrets": [ref.name for ref in task.managed_secret_refs], "resources": [
                     {"accelerators": r.accelerators, "use_spot": r.use_spot, "region": r.region,
                      "job_recovery": r.job_recovery} for r in task.resources]})
 print(json.dumps(out))
 """
 
 
-def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
+def _skypilot() -> str:
     try:
-        python = skypilot_python()
+        return skypilot_python()
     except UserError as e:
         pytest.skip(f"SkyPilot not installed (`make test` installs it in .venv-sky): {e}")
+
+
+def _load_tasks(paths: list) -> list[dict]:
+    """Task files as SkyPilot's own parser reads them."""
+    loaded = subprocess.run([_skypilot(), "-c", _LOAD_TASKS, *map(str, paths)], capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    return json.loads(loaded.stdout.strip().splitlines()[-1])
+
+
+def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
+    _skypilot()
     assert main(["fleet", "plan", str(users_fleet), "--emit", str(tmp_path)]) == 0
     plan = make_plan(load_fleet(users_fleet))
-    paths = [str(tmp_path / f"{w.job_name}.yaml") for w in plan.workers]
-    loaded = subprocess.run([python, "-c", _LOAD_TASKS, *paths], capture_output=True, text=True, timeout=300)
-    assert loaded.returncode == 0, loaded.stderr[-3000:]
-    tasks = json.loads(loaded.stdout.strip().splitlines()[-1])
+    tasks = _load_tasks([tmp_path / f"{w.job_name}.yaml" for w in plan.workers])
     parser = build_parser()
     for w, task in zip(plan.workers, tasks, strict=True):
-        assert task["name"] == w.job_name == f"arc-qwen05-{w.group.name}-{w.index}"
+        assert task["name"] == w.job_name == f"arc-qwen05.{w.group.name}.{w.index}"
         assert task["num_nodes"] == 1
         assert task["setup"] == "pip install 'harvest[tpu,gcs]==0.2.0'"
         assert task["envs"] == {"HARVEST_FLEET": "arc-qwen05", "HARVEST_GROUP": w.group.name,
@@ -184,17 +201,28 @@ def _edit(fleet: dict, **changes) -> dict:
      "group us-central1-v5e: mesh data=4,model=4,fsdp=2 does not fit tpu-v4-32 (4 hosts x 4 chips, 16 devices)"),
     ({"g0_accelerator": "tpu-v5e-8"}, "unknown accelerator 'tpu-v5e-8' (did you mean tpu-v5litepod-8?)"),
     ({"g0_accelerator": "tpu-v5litepod-12"}, "unknown accelerator 'tpu-v5litepod-12'"),
-    ({"extract": {"model": "m", "layers": "12-23"}}, "extract: unknown setting 'layers'"),
-    ({"extract": {"model": "m", "format": "arcx"}}, "extract: --format 'arcx': choose one of text, chat, arc"),
-    ({"extract": {"model": "m", "max_seq_len": "long"}}, "extract: setting: max_seq_len must be int"),
-    ({"extract": {"model": "m", "streams": "0-3"}}, "extract: streams is set per worker"),
-    ({"extract": {"model": "m", "overwrite": True}}, "extract: overwrite is refused in a fleet"),
+    ({"extract": {"model": "o/m", "layers": "12-23"}}, "extract: unknown setting 'layers'"),
+    ({"extract": {"model": "o/m", "format": "arcx"}}, "extract: --format 'arcx': choose one of text, chat, arc"),
+    ({"extract": {"model": "o/m", "max_seq_len": "long"}}, "extract: setting: max_seq_len must be int"),
+    ({"extract": {"model": "o/m", "streams": "0-3"}}, "extract: streams is set per worker"),
+    ({"extract": {"model": "o/m", "overwrite": True}}, "extract: overwrite is refused in a fleet"),
     ({"extract": {"format": "arc"}}, "extract: missing --model"),
     ({"g2_workers": 20}, "group us-east5-v6e: 20 workers but only 11 streams"),
     ({"g0_regions": []}, "group us-central1-v5e: regions must be a non-empty list"),
     ({"g0_colour": "red"}, "groups[0]: unknown key colour"),
     ({"image": "reg/harvest:1"}, "give exactly one of install"),
     ({"name": "Arc_Qwen"}, "name 'Arc_Qwen': use lowercase letters"),
+    ({"name": "arc--qwen"}, "name 'arc--qwen': use lowercase letters, digits and single dashes"),
+    ({"g0_name": "5e"}, "groups[0].name '5e': use lowercase letters, digits and single dashes, starting with a letter"),
+    # the workers are cloud VMs: they see buckets and the hub, not this machine's files
+    ({"data": "/data/arc-streams"}, "data '/data/arc-streams' is not in object storage, and the fleet's workers"),
+    ({"g1_out": "out/arc"}, "group us-west4-v5e: out 'out/arc' is not in object storage"),
+    ({"extract": {"model": ".", "format": "arc"}}, "extract: model '.' is a path on this machine"),
+    ({"extract": {"model": "hf://Qwen/Qwen2.5-0.5B"}}, "extract: model 'hf://Qwen/Qwen2.5-0.5B' is not a hub id"),
+    ({"envs": {"HF_HOME": None}}, "envs: HF_HOME needs a value; list a secret's name under secrets"),
+    ({"envs": {"HARVEST_WORKER_ID": "x"}}, "envs: HARVEST_WORKER_ID is set by the plan"),
+    ({"secrets": ["hf-token"]}, "secrets: 'hf-token' is not an environment variable name"),
+    ({"envs": {"HF_TOKEN": "x"}, "secrets": ["HF_TOKEN"]}, "secrets: HF_TOKEN given twice"),
 ])
 def test_plan_refuses_with_one_line(tmp_path, streams32, capsys, changes, message):
     path = write_fleet(tmp_path / "fleet.yaml", _edit({**FOUR_REGIONS, "data": streams32}, **changes))
@@ -205,16 +233,121 @@ def test_plan_refuses_with_one_line(tmp_path, streams32, capsys, changes, messag
     assert not (tmp_path / "tasks").exists()  # nothing written
 
 
-def test_image_instead_of_install(tmp_path, streams32):
-    fleet = {**_edit(FOUR_REGIONS, g0_accelerator="H100:8", g0_mesh=None), "data": streams32}
+def _image_fleet(streams32: str, **top) -> dict:
+    """The four-region fleet from an image, its first group on H100s (SkyPilot runs those in the image)."""
+    fleet = {**_edit(FOUR_REGIONS, g0_accelerator="H100:8", g0_mesh=None), "data": streams32, **top}
     del fleet["install"]
     fleet["image"] = "registry.example/harvest:0.2.0"
-    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
+    return fleet
+
+
+def test_image_instead_of_install(tmp_path, streams32):
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", _image_fleet(streams32))))
     gpu, tpu = task_config(plan.workers[0], plan.spec), task_config(plan.workers[8], plan.spec)
     assert gpu["resources"]["image_id"] == "docker:registry.example/harvest:0.2.0" and "setup" not in gpu
     assert gpu["run"].startswith("harvest extract ")
     assert tpu["setup"] == "docker pull registry.example/harvest:0.2.0"
-    assert tpu["run"].startswith("docker run --rm --privileged --net=host registry.example/harvest:0.2.0 extract ")
+    assert tpu["run"].startswith("docker run --rm --init ")
+
+
+def test_image_command_forwards_the_environment_by_name_and_runs_under_an_init(tmp_path, streams32):
+    """A TPU host runs the container itself: the emitted command (as SkyPilot loads it) passes every variable a
+    worker needs by name only, so docker copies the host's values and no value is in the task file; the
+    credentials file is mounted read-only; `--init` makes SIGTERM (a cancel, a preemption) reach harvest."""
+    fleet = _image_fleet(streams32, envs={"HARVEST_CACHE": "/var/cache/harvest", "XLA_PYTHON_CLIENT_MEM_FRACTION": .9},
+                         secrets=["WANDB_API_KEY"])
+    path = write_fleet(tmp_path / "fleet.yaml", fleet)
+    assert main(["fleet", "plan", str(path), "--emit", str(tmp_path / "tasks")]) == 0
+    plan = make_plan(load_fleet(path))
+    worker = plan.workers[8]  # us-west4-v5e/0, a TPU
+    text = (tmp_path / "tasks" / f"{worker.job_name}.yaml").read_text()
+    task = _load_tasks([tmp_path / "tasks" / f"{worker.job_name}.yaml"])[0]
+    assert task["envs"] == {"HARVEST_FLEET": "arc-qwen05", "HARVEST_GROUP": "us-west4-v5e",
+                            "HARVEST_WORKER_ID": "arc-qwen05/us-west4-v5e/0", "HARVEST_CACHE": "/var/cache/harvest",
+                            "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}
+    assert task["secrets"] == ["WANDB_API_KEY"] and "WANDB_API_KEY: null" in text  # its value: `fleet up`'s
+
+    # The host as SkyPilot leaves it: its own variables, credentials, the task's envs and secrets.
+    creds = tmp_path / "key dir" / "sa.json"
+    creds.parent.mkdir()
+    creds.write_text("{}")
+    secret_values = {"AWS_SECRET_ACCESS_KEY": "aws-s3cr3t", "HF_TOKEN": "hf_s3cr3t", "WANDB_API_KEY": "wandb-s3cr3t"}
+    host = {**task["envs"], **secret_values, "AWS_ACCESS_KEY_ID": "AKIA", "GOOGLE_APPLICATION_CREDENTIALS": str(creds),
+            "STORAGE_EMULATOR_HOST": "http://10.0.0.2:4443", "SKYPILOT_NODE_RANK": "0",
+            "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.9", "SKYPILOT_NUM_NODES": "1", "TPU_WORKER_ID": "0"}
+    shim = tmp_path / "bin" / "docker"  # a `docker` that prints the arguments it got
+    shim.parent.mkdir()
+    shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    shim.chmod(0o755)
+    done = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin", **host},
+                          capture_output=True, text=True, check=True)
+    argv = json.loads(done.stdout)
+    assert argv[:3] == ["run", "--rm", "--init"]
+    forwarded = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
+    for name in [*SKYPILOT_ENV, *RUNTIME_ENV, *CREDENTIAL_ENV, *task["envs"], "WANDB_API_KEY"]:
+        assert name in forwarded, name
+    assert not [a for a in forwarded if "=" in a]  # names only: docker takes each value from the host
+    for value in secret_values.values():
+        assert value not in " ".join(argv) and value not in text
+    mount = argv[argv.index("--mount") + 1]
+    assert mount == f"type=bind,src={creds},dst={creds},readonly"
+    image = argv.index("registry.example/harvest:0.2.0")
+    args = build_parser().parse_args(argv[image + 1:])  # the rest is harvest's own command line
+    assert (args.command, args.streams, args.worker_id) == ("extract", "8", "arc-qwen05/us-west4-v5e/0")
+    # With nothing set on the host, nothing is mounted and the command still parses.
+    bare = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin"},
+                          capture_output=True, text=True, check=True)
+    assert "--mount" not in json.loads(bare.stdout)
+
+
+def test_shared_paths_allow_local_data_out_and_model_and_mount_them_in_the_container(tmp_path, streams32):
+    """Workers that see this machine's paths (one machine, a filesystem every VM mounts): local paths are
+    taken, made absolute, and a container gets them at the same place (out writable, the rest read-only)."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    fleet = _image_fleet(streams32, shared_paths=True)
+    fleet["extract"] = {**fleet["extract"], "model": str(checkpoint)}
+    fleet["groups"][1]["out"] = str(tmp_path / "out")
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
+    run = task_config(plan.workers[8], plan.spec)["run"]
+    assert f"--volume {checkpoint}:{checkpoint}:ro" in run and f"--volume {tmp_path}/out:{tmp_path}/out " in run
+    assert streams32 not in run.split("registry.example")[0]  # a bucket needs no mount
+
+
+def test_job_names_of_different_fleets_never_meet(tmp_path, streams32):
+    """Fleet `a` with group `b-c` and fleet `a-b` with group `c` once both named their jobs `a-b-c-0`: `down`
+    of one cancelled the other's. Now each fleet's `status`, `up` and `down` see only their own jobs."""
+    def fleet(name: str, group: str) -> Path:
+        groups = [{"name": group, "accelerator": "tpu-v5litepod-8", "regions": ["us-central1"], "workers": 2,
+                   "streams": "auto", "out": f"{streams32}-out/{name}"}]
+        return write_fleet(tmp_path / f"{name}.yaml", {**FOUR_REGIONS, "name": name, "data": streams32,
+                                                       "groups": groups})
+    a, ab = make_plan(load_fleet(fleet("a", "b-c"))), make_plan(load_fleet(fleet("a-b", "c")))
+    names_a, names_ab = [w.job_name for w in a.workers], [w.job_name for w in ab.workers]
+    assert names_a == ["a.b-c.0", "a.b-c.1"] and names_ab == ["a-b.c.0", "a-b.c.1"]
+    jobs = RecordedJobs()
+    launch.up(a, jobs)
+    assert launch.up(ab, jobs)[0] == list(ab.workers)  # a's jobs are not taken for ab's
+    assert [w.job_name for w in launch.down(a, jobs)] == names_a
+    assert jobs.cancelled == names_a
+    console = Console(record=True, width=200)
+    status.show(ab, jobs, console=console)
+    assert console.export_text().count("PENDING") == 2  # ab's own jobs, untouched
+
+
+def test_up_passes_the_fleets_secrets_from_its_environment_and_refuses_without_them(tmp_path, streams32,
+                                                                                     monkeypatch):
+    path = write_fleet(tmp_path / "fleet.yaml", {**FOUR_REGIONS, "data": streams32, "secrets": ["HF_TOKEN"]})
+    plan = make_plan(load_fleet(path))
+    jobs = RecordedJobs()
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    with pytest.raises(UserError, match=r"secrets: HF_TOKEN not set in this environment; export it") as e:
+        launch.up(plan, jobs)
+    assert str(path) in str(e.value) and jobs.launched == []  # nothing launched
+    monkeypatch.setenv("HF_TOKEN", "hf_s3cr3t")
+    launched, _ = launch.up(plan, jobs)
+    assert len(launched) == 32 and all(t["secrets"] == {"HF_TOKEN": "hf_s3cr3t"} for t in jobs.tasks)
+    assert task_config(plan.workers[0], plan.spec)["secrets"] == {"HF_TOKEN": None}  # what plan writes
 
 
 # up, down and status through recorded job records -------------------------------------------------------------
@@ -246,8 +379,9 @@ def test_up_relaunches_only_failed_or_cancelled_workers_and_down_cancels_active_
 def test_status_before_any_output_shows_every_worker_pending(tmp_path, streams32):
     fleet = copy.deepcopy(FOUR_REGIONS)
     for g in fleet["groups"]:
-        g["out"] = str(tmp_path / g["name"])  # nothing there yet
-    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", {**fleet, "data": streams32})))
+        g["out"] = str(tmp_path / g["name"])  # nothing there yet; workers on this machine see it
+    fleet = {**fleet, "data": streams32, "shared_paths": True}
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
     jobs = RecordedJobs([record(1, plan.workers[0].job_name, "RECOVERING", recoveries=2)])
     console = Console(record=True, width=200)
     assert status.show(plan, jobs, console=console) == 0

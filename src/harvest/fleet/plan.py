@@ -2,12 +2,15 @@
 one SkyPilot task per worker. Needs no cloud: only streams.json is read.
 
 A worker is `{fleet}/{group}/{k}` for good: its job name, lease holder and task are the same after every
-recovery, so a recovered worker takes its own leases back and resumes its own streams.
+recovery, so a recovered worker takes its own leases back and resumes its own streams. Job names join the
+names with dots, which no name holds: two fleets never share a job name, so `status`, `up` and `down` see
+only their own fleet's jobs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,8 @@ from harvest import config
 from harvest.config import ExtractConfig
 from harvest.data.streams import StreamSet
 from harvest.errors import RetryLater, UserError
-from harvest.fleet.spec import FleetError, FleetSpec, Group
+from harvest.fleet.container import docker_run
+from harvest.fleet.spec import PLAN_ENVS, FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology, topology
 from harvest.ranges import format_ranges, parse_ranges
 from harvest.runtime.mesh import mesh_shape
@@ -50,8 +54,8 @@ class Worker:
 
     @property
     def job_name(self) -> str:
-        """SkyPilot's job name (no slashes there)."""
-        return f"{self.fleet}-{self.group.name}-{self.index}"
+        """SkyPilot's job name: no slashes there; dots, which fleet and group names never hold."""
+        return f"{self.fleet}.{self.group.name}.{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +186,26 @@ def _multi_node_flags() -> str:
             '--num-processes "$SKYPILOT_NUM_NODES" --process-id "$SKYPILOT_NODE_RANK"')
 
 
+def _mounts(worker: Worker, spec: FleetSpec) -> dict[str, bool]:
+    """The local paths a container must see (only with shared_paths): data and model read-only, out not."""
+    paths = {spec.data: True, worker.group.out: False, str(spec.extract.get("model") or ""): True}
+    return {path: ro for path, ro in paths.items() if os.path.isabs(path)}
+
+
+def _task_env_names(spec: FleetSpec) -> list[str]:
+    """The variables a task sets on its hosts: the plan's, the fleet's envs, its secrets."""
+    return [*PLAN_ENVS, *spec.envs, *spec.secrets]
+
+
 def run_command(worker: Worker, spec: FleetSpec) -> str:
     """The exact shell command each host of the worker runs. A TPU slice runs it on every host and JAX
-    finds its peers; a multi-node GPU (or CPU) group derives the process flags from SkyPilot's env."""
-    args = " ".join(shlex.quote(a) for a in extract_args(worker, spec))
+    finds its peers; a multi-node GPU (or CPU) group derives the process flags from SkyPilot's env. With an
+    image, a TPU host starts the container itself (harvest.fleet.container); elsewhere SkyPilot runs the
+    command inside the image it started."""
+    args = extract_args(worker, spec)
     if spec.image is not None and worker.topology.kind == "tpu":
-        prefix = f"docker run --rm --privileged --net=host {shlex.quote(spec.image)}"  # entry point: harvest
-    else:
-        prefix = "harvest"
-    command = f"{prefix} {args}"
+        return docker_run(spec.image, args, _task_env_names(spec), _mounts(worker, spec))  # entry point: harvest
+    command = "harvest " + " ".join(shlex.quote(a) for a in args)
     if worker.topology.kind != "tpu" and worker.group.num_nodes > 1:
         command += " " + _multi_node_flags()
     return command
@@ -215,7 +230,10 @@ def task_config(worker: Worker, spec: FleetSpec) -> dict[str, Any]:
     task: dict[str, Any] = {"name": worker.job_name, "resources": resources}
     if g.num_nodes > 1:
         task["num_nodes"] = g.num_nodes
-    task["envs"] = {"HARVEST_FLEET": spec.name, "HARVEST_GROUP": g.name, "HARVEST_WORKER_ID": worker.worker_id}
+    plan_envs = (spec.name, g.name, worker.worker_id)
+    task["envs"] = {**dict(zip(PLAN_ENVS, plan_envs, strict=True)), **spec.envs}
+    if spec.secrets:
+        task["secrets"] = dict.fromkeys(spec.secrets)  # values: `fleet up` (harvest.fleet.launch), or --secret
     if spec.install is not None:
         task["setup"] = spec.install
     elif shape.kind == "tpu":
@@ -231,9 +249,17 @@ def emit(plan: Plan, directory: str | Path) -> list[Path]:
     paths = []
     for w in plan.workers:
         path = out / f"{w.job_name}.yaml"
-        path.write_text(yaml.safe_dump(task_config(w, plan.spec), sort_keys=False, width=10_000))
+        path.write_text(yaml.dump(task_config(w, plan.spec), Dumper=_TaskDumper, sort_keys=False, width=10_000))
         paths.append(path)
     return paths
+
+
+class _TaskDumper(yaml.SafeDumper):
+    """Multi-line strings (a docker command) as literal blocks: the file shows the command as bash reads it."""
+
+
+_TaskDumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", value, style="|" if "\n" in value else None))
 
 
 def plan_table(plan: Plan) -> Table:

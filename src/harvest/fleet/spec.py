@@ -1,5 +1,9 @@
-"""fleet.yaml as typed records: one run (`name`, `data`, `extract` settings, how to install harvest) and
-groups of identical workers. Every problem is one line naming the file and the key."""
+"""fleet.yaml as typed records: one run (`name`, `data`, `extract` settings, how to install harvest, the
+workers' environment) and groups of identical workers. Every problem is one line naming the file and the key.
+
+The workers are cloud VMs: they see object storage and the hub, not the planning machine's files. So `data`
+and each group's `out` must be gs:// or s3:// URLs and `model` a hub id, unless `shared_paths: true` says
+every worker sees the same paths (one machine, or a filesystem every VM mounts at the same place)."""
 
 from __future__ import annotations
 
@@ -12,8 +16,14 @@ from typing import Any
 from harvest.config import read_yaml
 from harvest.errors import UserError
 
-_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?")  # job names and worker ids derive from names
-_TOP_KEYS = {"name", "data", "extract", "install", "image", "groups"}
+# Job names join names with dots (harvest.fleet.plan.Worker.job_name): a name holds none, so no two
+# (fleet, group) pairs give one job name; a leading letter and single dashes keep it a SkyPilot task name.
+_NAME = re.compile(r"(?=.{1,40}$)[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+PLAN_ENVS = ("HARVEST_FLEET", "HARVEST_GROUP", "HARVEST_WORKER_ID")  # set by the plan on every worker
+_REMOTE = ("gs://", "s3://")
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # as harvest.model.weights.resolve_checkpoint reads --model
+_TOP_KEYS = {"name", "data", "extract", "install", "image", "groups", "envs", "secrets", "shared_paths"}
 _GROUP_KEYS = {"name", "accelerator", "regions", "workers", "spot", "streams", "out", "mesh", "num_nodes"}
 
 
@@ -43,6 +53,9 @@ class FleetSpec:
     groups: tuple[Group, ...]
     install: str | None = None  # a setup command, e.g. pip install 'harvest[tpu,gcs]==0.2.0'
     image: str | None = None  # or a docker image holding harvest
+    envs: dict[str, str] = dataclasses.field(default_factory=dict)  # set on every worker (in the task YAML)
+    secrets: tuple[str, ...] = ()  # names whose values `fleet up` takes from its own env (never in a file)
+    shared_paths: bool = False  # every worker sees this machine's paths: local data/out/model allowed
 
 
 def load_fleet(path: str | Path) -> FleetSpec:
@@ -61,22 +74,74 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     groups_raw = _required(top, where, "groups", list)
     if not groups_raw:
         raise FleetError(f"{where}: groups is empty; declare at least one group of workers")
-    groups = tuple(_group(g, where, i) for i, g in enumerate(groups_raw))
+    shared = _optional(top, where, "shared_paths", bool, False)
+    groups = tuple(_group(g, where, i, shared) for i, g in enumerate(groups_raw))
     seen: set[str] = set()
     for g in groups:
         if g.name in seen:
             raise FleetError(f"{where}: two groups are named {g.name!r}; group names must be unique")
         seen.add(g.name)
-    return FleetSpec(where, name, _url(data), {str(k).replace("-", "_"): v for k, v in extract.items()}, groups,
-                     install, image)
+    envs, secrets = _envs(top, where)
+    extract = {str(k).replace("-", "_"): v for k, v in extract.items()}
+    if isinstance(extract.get("model"), str):
+        extract["model"] = _model(extract["model"], where, shared)
+    return FleetSpec(where, name, _url(data, where, "data", shared), extract, groups, install, image, envs, secrets,
+                     shared)
 
 
-def _url(spec: str) -> str:
-    """A local path made absolute: every worker's command names the same place whatever its directory."""
+def _url(spec: str, where: str, key: str, shared: bool) -> str:
+    """gs:// or s3://; a local path only when the workers share this machine's paths, made absolute so that
+    every worker's command names the same place whatever its directory."""
+    if spec.startswith(_REMOTE):
+        return spec
+    if not shared:
+        raise FleetError(f"{where}: {key} {spec!r} is not in object storage, and the fleet's workers (cloud VMs) "
+                         f"cannot see this machine's files: give a gs:// or s3:// URL, or set shared_paths: true "
+                         f"if every worker sees this path")
     return spec if "://" in spec else os.path.abspath(spec)
 
 
-def _group(raw: Any, where: str, i: int) -> Group:
+def _model(model: str, where: str, shared: bool) -> str:
+    """A hub id every worker downloads; a local path (made absolute) only with shared paths."""
+    local = Path(model).expanduser()
+    if local.exists():
+        if shared:
+            return str(local.absolute())
+        raise FleetError(f"{where}: extract: model {model!r} is a path on this machine, which the fleet's workers "
+                         f"(cloud VMs) cannot see: give a hub id such as Qwen/Qwen2.5-0.5B, or set shared_paths: "
+                         f"true if every worker sees this path")
+    if not shared and not (_HUB_ID.fullmatch(model) and model.split("/")[0] not in (".", "..")):
+        raise FleetError(f"{where}: extract: model {model!r} is not a hub id (owner/name), and the fleet's workers "
+                         f"(cloud VMs) see no path of this machine: give a hub id such as Qwen/Qwen2.5-0.5B, or "
+                         f"set shared_paths: true if every worker sees this path")
+    return model
+
+
+def _envs(top: dict, where: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`envs` (NAME: value, written into every task) and `secrets` (NAMEs, values from `fleet up`'s env)."""
+    envs = _optional(top, where, "envs", dict, {})
+    secrets = _optional(top, where, "secrets", list, [])
+    for key, names in (("envs", list(envs)), ("secrets", secrets)):
+        for env in names:
+            if not isinstance(env, str) or not _ENV_NAME.fullmatch(env):
+                raise FleetError(f"{where}: {key}: {env!r} is not an environment variable name")
+            if env in PLAN_ENVS:
+                raise FleetError(f"{where}: {key}: {env} is set by the plan on every worker; remove it")
+    for env, value in envs.items():
+        if value is None or isinstance(value, (dict, list)):
+            raise FleetError(f"{where}: envs: {env} needs a value; list a secret's name under secrets instead "
+                             f"(`fleet up` takes its value from its own environment)")
+    twice = sorted(set(envs) & set(secrets) | {env for env in secrets if secrets.count(env) > 1})
+    if twice:
+        raise FleetError(f"{where}: secrets: {', '.join(twice)} given twice (in envs or secrets); name each once")
+    return {k: _env_value(v) for k, v in envs.items()}, tuple(secrets)
+
+
+def _env_value(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _group(raw: Any, where: str, i: int, shared: bool) -> Group:
     label = f"groups[{i}]"
     g = _mapping(raw, where, label, _GROUP_KEYS)
     name = _name(_required(g, where, "name", str, label), where, f"{label}.name")
@@ -92,7 +157,8 @@ def _group(raw: Any, where: str, i: int) -> Group:
             raise FleetError(f"{where}: {label}: {key} must be at least 1, got {value}")
     mesh = _optional(g, where, "mesh", str, None, label)
     return Group(name=name, accelerator=str(_required(g, where, "accelerator", (str,), label)),
-                 regions=tuple(regions), workers=workers, out=_url(_required(g, where, "out", str, label)),
+                 regions=tuple(regions), workers=workers,
+                 out=_url(_required(g, where, "out", str, label), where, f"{label}: out", shared),
                  streams=str(streams).strip(), spot=_optional(g, where, "spot", bool, True, label),
                  mesh=mesh, num_nodes=num_nodes)
 
@@ -128,6 +194,6 @@ def _optional(raw: dict, where: str, key: str, kind, default: Any = None, label:
 
 def _name(value: str, where: str, key: str) -> str:
     if not _NAME.fullmatch(value):
-        raise FleetError(f"{where}: {key} {value!r}: use lowercase letters, digits and dashes (at most 40), "
-                         f"as job names and worker ids derive from it")
+        raise FleetError(f"{where}: {key} {value!r}: use lowercase letters, digits and single dashes, starting "
+                         f"with a letter (at most 40), as job names and worker ids derive from it")
     return value
