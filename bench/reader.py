@@ -7,10 +7,12 @@ storage, in alternating rounds (best round shown):
   raw        every shard file read whole, one after the other, one thread (local: open/read, page cache
              warm; GCS/S3: one GET per file): the ceiling a plain loop reaches. Tokens/s counts the tokens
              those bytes hold.
-  all/sha256 token_batches over every tensor, shuffled, verify="auto": each shard's sha256 checked once
-             (streamed), then pieces read as ranges
-  all/ranged the same with verify="header" (header, size and shape checks only)
-  one/ranged one tensor of the shards' `--tensors`: only its bytes are read
+  all/auto   token_batches over every tensor, shuffled, verify="auto": each shard's tensors checked once
+             against the sidecar's per-tensor sha256 (streamed), then pieces read as ranges
+  all/header the same with verify="header" (header, size and shape checks only)
+  one/auto   one tensor of the shards' `--tensors`, verify="auto": that tensor's bytes are read twice,
+             once to check them (shards are cut into pieces) and once as the pieces served
+  one/header the same with verify="header": only its bytes are read, once
 
 GB/s counts the bytes of the tensors served (tokens included) per second; ratio = tokens/s over raw's.
 The GCS and S3 servers here are local emulators (fake-gcs-server in Go, moto in Python): their cost per
@@ -70,13 +72,15 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
         next_token += per_shard
         lengths = np.full(per_shard // 512, 512)
         lengths[-1] += per_shard - lengths.sum()
-        data = fmt.encode_shard(acts, tokens, lengths, np.arange(len(lengths)), np.zeros(len(lengths), np.int32),
+        parts = fmt.shard_parts(acts, tokens, lengths, np.arange(len(lengths)), np.zeros(len(lengths), np.int32),
                                 {"stream": str(stream), "shard": str(index)})
+        data = b"".join(parts)
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(index)}"
         storage.write_bytes(rel + ".safetensors", data)
         storage.write_bytes(rel + ".json", Sidecar.of_shard(
             data, stream=stream, shard=index, start=(0, 0), next=(len(lengths), 0), row_start=(0, 0),
-            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False, records=0).to_bytes())
+            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False, records=0,
+            tensor_sha256={name: fmt.sha256(blocks) for name, blocks in fmt.tensor_parts(parts).items()}).to_bytes())
     return next_token
 
 
@@ -109,9 +113,10 @@ def timed(fn, *args) -> tuple[float, int, int]:
 
 
 def measure(url: str, args, rounds: int) -> list[tuple]:
-    cases = [("raw", raw, (url,)), ("all/sha256", reader, (url, args.batch, None, "auto")),
-             ("all/ranged", reader, (url, args.batch, None, "header")),
-             ("one/ranged", reader, (url, args.batch, "resid_post.0", "header"))]
+    cases = [("raw", raw, (url,)), ("all/auto", reader, (url, args.batch, None, "auto")),
+             ("all/header", reader, (url, args.batch, None, "header")),
+             ("one/auto", reader, (url, args.batch, "resid_post.0", "auto")),
+             ("one/header", reader, (url, args.batch, "resid_post.0", "header"))]
     best: dict[str, tuple] = {}
     for _ in range(rounds):
         for name, fn, fargs in cases:
