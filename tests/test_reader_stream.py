@@ -73,6 +73,13 @@ def test_dataloader_workers_split_a_rank_by_themselves(written):
         assert tokens == by_hand
         everyone += tokens
     assert sorted(everyone) == sorted(written.rows)
+    # normalized by the run's stats, merged once in this process: the workers get no per-shard stats
+    settings = dict(seed=7, piece_bytes=PIECE, shard_buffer=2, normalize="standardize")
+    loader = torch.utils.data.DataLoader(run.torch_dataset(16, "mlp_out.3", **settings), batch_size=None, num_workers=2)
+    got = {t: row for b in loader for t, row in zip(b["tokens"].tolist(), b["mlp_out.3"].numpy())}
+    want = {t: row for w in range(2) for b in run.token_batches(16, "mlp_out.3", worker=w, workers=2, **settings)
+            for t, row in zip(b["tokens"].tolist(), b["mlp_out.3"])}
+    assert got.keys() == want.keys() and all(np.array_equal(got[t], want[t]) for t in got)
 
 
 def test_epochs_reorder_and_a_stopped_reader_resumes_with_exactly_the_rest(written):

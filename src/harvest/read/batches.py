@@ -122,7 +122,8 @@ class TokenBatches:
     how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
     `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
     `dtype` casts on the way out; `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the
-    run's own stats. `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()` after any batch and
+    run's own stats (merged from the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see
+    harvest.read.pieces. `state_dict()` after any batch and
     `load_state_dict()` on a fresh reader (same run, same order settings) continue with exactly the batches
     that were still to come.
     """
@@ -133,7 +134,8 @@ class TokenBatches:
                  piece_bytes: int = 32 * 2**20, prefetch: int = 8, io_threads: int = 8, drop_last: bool = False,
                  exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
-                 streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None):
+                 streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
+                 stats: Mapping[str, fmt.RunningStats] | None = None):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
                             (world, "world"), (io_threads, "io_threads")):
             if int(value) <= 0:
@@ -148,7 +150,7 @@ class TokenBatches:
                 raise ValueError(f"{what}={value!r}: use one of {', '.join(map(repr, allowed))}")
         if dtype is not None and dtype not in fmt.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {', '.join(fmt.DTYPES)}")
-        if snapshot is None and int(world) > 1 and not view.complete:
+        if snapshot is None and int(world) > 1 and not view.complete(streams):
             raise UserError(f"{view.url}: the run is still being written, and {world} ranks would each list it at "
                             "another moment: give every rank the same snapshot= (run.snapshot(), taken once)")
         self.storage, self.view, self.batch_size, self.names = storage, view, int(batch_size), names
@@ -166,7 +168,7 @@ class TokenBatches:
                               exclude=tuple(sorted(set(self._excluded(exclude)))),
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
         self._fixed_worker = None if worker is None else (int(worker), int(workers))
-        self._affine = {n: self._normalization(n, normalize) for n in names} if normalize else {}
+        self._affine = {n: self._normalization(n, normalize, stats) for n in names} if normalize else {}
         self._cursor = Cursor(int(epoch), 0, 0)
         self._first_epoch = int(epoch)
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
@@ -195,9 +197,10 @@ class TokenBatches:
             return []
         return [int(t) for t in special]
 
-    def _normalization(self, name: str, how: str) -> tuple[np.ndarray, np.ndarray]:
+    def _normalization(self, name: str, how: str, given: Mapping[str, fmt.RunningStats] | None
+                       ) -> tuple[np.ndarray, np.ndarray]:
         """(shift, scale) with out = (x - shift) * scale, from the run's own merged stats."""
-        stats = self.view.stats(name)
+        stats = given[name] if given is not None else self.view.stats(name)
         if stats.count == 0:
             raise UserError(f"{self.view.url}: normalize={how!r} needs statistics, and {name} has no token yet")
         if how == "standardize":
@@ -247,7 +250,7 @@ class TokenBatches:
         (re-listed at a new epoch of a run still being written when this is the only consumer)."""
         counts = self._epoch_counts if self._epoch_counts is not None else self._pinned
         sole = order.world * order.workers == 1
-        if counts is None and sole and self._cursor.epoch > self._first_epoch and not self.view.complete:
+        if counts is None and sole and self._cursor.epoch > self._first_epoch and not self.view.complete(order.streams):
             self.view = Snapshot.take(self.storage)
         if counts is not None and any(len(self.view.of_stream(s)) < n for s, n in counts.items()):
             self.view = Snapshot.take(self.storage)

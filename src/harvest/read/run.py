@@ -178,7 +178,7 @@ class Run:
                                + (f" ({entry['location']})" if entry.get("location") else ""))
         stream = sample_id % self.num_streams
         done = self.view.of_stream(stream)
-        where = (f"stream {stream} is committed through index {list(done[-1].next)}" if done
+        where = (f"stream {stream} is committed up to [index, variant] {list(done[-1].next)}" if done
                  else f"stream {stream} has no committed shard")
         raise KeyError(f"sample {sample_id} variant {variant} is not in run {self.url} ({where})")
 

@@ -1,9 +1,9 @@
 """A torch IterableDataset over a run's token batches, for DataLoader(num_workers=k).
 
 The dataset is made in the rank's own process and holds a snapshot of the run (plain data: run.json and
-the committed shards' sidecars), taken there once; DataLoader hands it to every worker, so the k workers
-split the same shards, whatever is committed while they start, and together serve the rank's share once.
-A worker lists nothing: it reads the shards its snapshot names.
+the committed shards' sidecars, slimmed to what reading needs), taken there once; DataLoader hands it to
+every worker, so the k workers split the same shards, whatever is committed while they start, and
+together serve the rank's share once. A worker lists nothing: it reads the shards its snapshot names.
 """
 
 from __future__ import annotations
@@ -27,16 +27,19 @@ class TokenDataset(torch.utils.data.IterableDataset):
         super().__init__()
         settings = dict(settings)
         counts = settings.pop("snapshot", None)
-        if counts is None and int(settings.get("world", 1)) > 1 and not view.complete:
+        if counts is None and int(settings.get("world", 1)) > 1 and not view.complete(settings.get("streams")):
             raise UserError(f"{url}: the run is still being written, and each rank's dataset would list it at "
                             "another moment: give every rank's dataset the same snapshot= (run.snapshot(), taken once)")
         if counts is not None and any(len(view.of_stream(int(s))) < int(n) for s, n in counts.items()):
             view = Snapshot.take(Storage(url))  # the snapshot given was taken after this Run was opened
         try:
-            self.view = view if counts is None else view.limited(counts)
+            view = view if counts is None else view.limited(counts)
         except ValueError as e:
             raise StateError(f"{url}: the snapshot given is not this run's ({e})") from None
+        if settings.get("normalize"):
+            settings["stats"] = {n: view.stats(n) for n in names}
         self.url, self.batch_size, self.names, self.settings = url, batch_size, names, settings
+        self.view = view.slim(names)
 
     @property
     def snapshot(self) -> dict[int, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -63,6 +63,17 @@ class Snapshot:
         keep = {int(s): int(n) for s, n in counts.items()}
         return dataclasses.replace(self, shards=tuple(sc for sc in self.shards if sc.shard < keep.get(sc.stream, 0)))
 
+    def slim(self, names: list[str]) -> Snapshot:
+        """What token batches of tensors `names` need, and no more (it is what a data-loader worker is
+        handed): the sidecars without stats or skipped entries, with the checksums of those tensors only."""
+        keep = {"tokens", *names}
+
+        def slimmed(sc: Sidecar) -> Sidecar:
+            sums = None if sc.tensor_sha256 is None else {k: v for k, v in sc.tensor_sha256.items() if k in keep}
+            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums)
+
+        return dataclasses.replace(self, shards=tuple(map(slimmed, self.shards)))
+
     @functools.cached_property
     def _by_stream(self) -> dict[int, list[Sidecar]]:
         by: dict[int, list[Sidecar]] = collections.defaultdict(list)
@@ -107,10 +118,9 @@ class Snapshot:
         scs = self._by_stream.get(stream)
         return bool(scs) and scs[-1].final
 
-    @property
-    def complete(self) -> bool:
-        """Every stream the run covers has its final shard: nothing more will be committed."""
-        return all(self.done(s) for s in covered_streams(self.info))
+    def complete(self, streams: Iterable[int] | None = None) -> bool:
+        """Every stream the run covers (or of `streams`) has its final shard: nothing more will be committed."""
+        return all(self.done(s) for s in (covered_streams(self.info) if streams is None else streams))
 
     def stats(self, name: str) -> fmt.RunningStats:
         """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
