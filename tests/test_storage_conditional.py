@@ -247,7 +247,7 @@ def test_storage_over_any_backend_waits_on_its_clock():
     started = time.monotonic()
     mem.fail = 2
     assert st.read_bytes("a/lease") == b"3"
-    assert len(clock.slept) == 2 and clock.now == 100.0 + sum(clock.slept)
+    assert len(clock.slept) == 2 and clock.now == pytest.approx(100.0 + sum(clock.slept))
     child = st.child("a")
     assert child.clock is clock and child.backend is mem
     mem.fail = 100
@@ -255,7 +255,7 @@ def test_storage_over_any_backend_waits_on_its_clock():
     with pytest.raises(StorageUnreachable) as info:
         child.read_bytes("lease")
     assert f"gave up after 6 attempts over {clock.now - before:.1f}s" in str(info.value)
-    assert clock.now - before >= 3.1 and time.monotonic() - started < 1.0  # simulated waits, not real ones
+    assert clock.now - before >= 3.1 and time.monotonic() - started < 3.0  # simulated waits, not real ones
     mem.fail = 0
     st.delete_tree("a")
     assert st.listdir() == [] and not st.exists("a")
@@ -274,7 +274,7 @@ def test_the_local_directory_lock_waits_on_the_clock(tmp_path):
         started = time.monotonic()
         with pytest.raises(StorageError, match="directory lock is held by another process"):
             st.replace_if("lease.json", b"v2", token)
-        assert clock.now - 100.0 > 5.0 and time.monotonic() - started < 2.0
+        assert clock.now - 100.0 > 5.0 and time.monotonic() - started < 4.0  # waited on the clock, not for real
     finally:
         os.close(fd)
     assert st.replace_if("lease.json", b"v2", token) is True

@@ -41,9 +41,9 @@ from harvest.storage.errors import (
     StorageNotFoundError,
     StorageUnreachable,
     describe,
+    is_transient,
     redact,
 )
-from harvest.storage.errors import is_transient as _is_transient
 from harvest.storage.local import LocalBackend
 from harvest.storage.reading import ReopeningReader
 
@@ -179,7 +179,7 @@ class Storage:
             except StorageError:
                 raise
             except Exception as e:
-                transient = _is_transient(e)
+                transient = is_transient(e)
                 if not transient or attempt >= self.attempts:
                     elapsed = self.clock.monotonic() - start
                     raise self._error(op, rel, e, attempt if transient else 0, elapsed) from e
