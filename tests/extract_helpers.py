@@ -140,16 +140,50 @@ def files_under(root: Path) -> dict[str, Path]:
     return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def data_of(sidecar: Path) -> Path:
+    """The data object a sidecar commits (its name carries the writing attempt's id)."""
+    return sidecar.parent / json.loads(sidecar.read_text())["file"]
+
+
+def committed(storage) -> tuple[dict[str, bytes], list[str]]:
+    """(what a run's streams hold as committed, the data objects no sidecar names) on any Storage.
+
+    Data objects are keyed by their shard's name (`stream_00001/shard_000003.safetensors`) and sidecars
+    carry that name in `file`, so two runs written by different attempts compare equal when their
+    content is."""
+    data, leftovers = {}, []
+    for stream in (n for n in storage.listdir() if n.startswith("stream_")):
+        names = storage.listdir(stream)
+        named = {}
+        for name in names:
+            if name.startswith("shard_") and name.endswith(".json"):
+                sidecar = json.loads(storage.read_bytes(f"{stream}/{name}"))
+                stem = name[: -len(".json")]
+                named[sidecar["file"]] = stem
+                sidecar["file"] = stem + ".safetensors"
+                data[f"{stream}/{name}"] = json.dumps(sidecar, sort_keys=True).encode()
+        for name in names:
+            if name.startswith("shard_") and name.endswith(".safetensors"):
+                if name in named:
+                    data[f"{stream}/{named[name]}.safetensors"] = storage.read_bytes(f"{stream}/{name}")
+                else:
+                    leftovers.append(f"{stream}/{name}")
+    return data, leftovers
+
+
 def data_files(root: Path) -> tuple[dict[str, bytes], list[str]]:
-    """(contents of the files a run is made of, leftover temp files). Leaves out per-stream progress.json
-    and lease.json (bookkeeping) and local temp files of interrupted writes (invisible to harvest)."""
-    data, temps = {}, []
+    """(what a local run holds, as `committed` gives it, with run.json and any other file beside the
+    streams; the files no finished run should keep: local temp files of interrupted writes and data
+    objects no sidecar names). Per-stream progress.json and lease.json (bookkeeping) are left out."""
+    from harvest.storage import Storage
+
+    data, leftovers = committed(Storage(str(root)))
     for rel, path in files_under(root).items():
         if TMP_MARK in path.name:
-            temps.append(rel)
-        elif path.name not in VOLATILE:
+            leftovers.append(rel)
+        elif path.name not in VOLATILE and not path.name.startswith("shard_"):
             data[rel] = path.read_bytes()
-    return data, temps
+    return data, leftovers
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -167,3 +201,18 @@ def json_diff(a, b, path: str = "") -> list[str]:
             out += json_diff(a.get(k), b.get(k), sub) if k in a and k in b else [sub]
         return out
     return [] if a == b else [path]
+
+
+def another_vm() -> tuple[str, ...]:
+    """A prefix that runs a command in a pid namespace of its own, as in another container or on another VM:
+    a lease holder's pid proves nothing there, so a taker waits out the holder's TTL (root, or where user
+    namespaces are allowed). The command then runs as pid 1 of its namespace."""
+    import shutil
+
+    import pytest
+
+    for prefix in (("unshare", "--pid", "--fork", "--mount-proc"),
+                   ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc")):
+        if shutil.which("unshare") and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    pytest.skip("unshare cannot make a pid namespace here (needs root or user namespaces)")

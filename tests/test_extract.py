@@ -11,6 +11,7 @@ import sys
 import hf_reference as ref
 import numpy as np
 import pytest
+from extract_helpers import data_of
 from safetensors.numpy import load_file
 
 from harvest.config import ExtractConfig
@@ -53,7 +54,7 @@ def stored_samples(out):
     """(sample_id, variant) -> (tokens, {tensor: values}) from every committed shard, via safetensors."""
     samples = {}
     for sidecar in sorted(out.glob("stream_*/shard_*.json")):
-        shard = load_file(sidecar.with_suffix(".safetensors"))
+        shard = load_file(data_of(sidecar))
         offsets = shard["offsets"]
         names = [k for k in shard if "." in k]
         for i, (sid, var) in enumerate(zip(shard["sample_ids"], shard["variants"])):
@@ -67,7 +68,7 @@ def assert_stats_are_the_stored_values(out):
     """Each sidecar's stats (merged from the pieces' device moments, or the host's where a row had more pieces
     than slots) equal the exact float64 stats of the shard's stored values, to float32 rounding."""
     for sidecar in sorted(out.glob("stream_*/shard_*.json")):
-        shard = load_file(sidecar.with_suffix(".safetensors"))
+        shard = load_file(data_of(sidecar))
         for name, obj in json.loads(sidecar.read_text())["stats"].items():
             got, want = RunningStats.from_json(obj), RunningStats.of(shard[name])
             scale = float(np.abs(shard[name]).max(initial=0))
@@ -198,11 +199,11 @@ def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(
     assert_equal_to_hf(model_dir, samples)
     sidecars = sorted(out.glob("stream_*/shard_*.json"))
     assert len(sidecars) >= 3
-    before = [(s.with_suffix(".safetensors").read_bytes(), json.loads(s.read_text())["stats"]) for s in sidecars[-2:]]
+    before = [(data_of(s).read_bytes(), json.loads(s.read_text())["stats"]) for s in sidecars[-2:]]
     for sidecar in sidecars[-2:]:  # as if the run was killed before these two commits
         sidecar.unlink()
     extract_on_this_cpu(model_dir, data, out)
-    assert [(s.with_suffix(".safetensors").read_bytes(), json.loads(s.read_text())["stats"])
+    assert [(data_of(s).read_bytes(), json.loads(s.read_text())["stats"])
             for s in sidecars[-2:]] == before  # the stats too: a piece's moments do not depend on its batch
     assert_stats_are_the_stored_values(out)
     assert verify(str(out)).ok

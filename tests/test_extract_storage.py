@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+from extract_helpers import committed
 
 import harvest
 from harvest.config import ExtractConfig
@@ -34,21 +35,12 @@ def config(model, data, out):
                          max_seq_len=64, batch_size=2, shard_size="16KB").validate()
 
 
-def committed_files(storage: Storage) -> dict[str, bytes]:
-    files = {"run.json": None}
-    for stream in (n for n in storage.listdir() if n.startswith("stream_")):
-        for name in storage.listdir(stream):
-            if name.startswith("shard_"):
-                files[f"{stream}/{name}"] = storage.read_bytes(f"{stream}/{name}")
-    return files
-
-
 def assert_same_run(remote: str, local):
     report = verify(remote)
     assert report.ok, report.problems
-    ours, theirs = committed_files(Storage(remote)), committed_files(Storage(str(local)))
+    (ours, leftovers), (theirs, _) = committed(Storage(remote)), committed(Storage(str(local)))
     assert ours.keys() == theirs.keys() and len(ours) > 10
-    assert ours == theirs
+    assert ours == theirs and not leftovers
     back, reference = harvest.open(remote), harvest.open(str(local))
     for sample_id in (0, 31, 59):
         a, b = back.sample(sample_id), reference.sample(sample_id)

@@ -1,9 +1,11 @@
 """Exactly once under the faults a fleet meets, with the real CLI in subprocesses: two identical commands
-started together (one extracts, the other stops at once); a worker stopped (SIGSTOP) past --lease-ttl,
-whose streams another worker takes over and finishes, wakes up (SIGCONT) and exits without committing
-anything; storage unreachable for longer than half the TTL stops the worker, and a rerun finishes with
-the same bytes. Locally and on S3 (moto honours If-Match); fake-gcs-server honours ifGenerationMatch too,
-and tests/test_lease.py races contenders on all three."""
+started together (one extracts, the other stops at once); two containers on one VM, alike in worker id,
+host, boot and pid; a worker that keeps its long TTL against a command with a short one, and against one
+whose clock runs an hour ahead; a worker stopped (SIGSTOP) past --lease-ttl, whose streams another worker
+takes over and finishes, wakes up (SIGCONT) and exits without committing anything; a writer stopped
+between its last lease check and its commit, whose commit then fails; storage unreachable for longer
+than half the TTL stops the worker, and a rerun finishes with the same bytes. Locally, on fake-gcs-server
+and on moto's S3 where storage matters."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import subprocess
 import time
 import types
 
+import libfaketime
 import pytest
-from extract_helpers import harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
 
 from harvest.storage import Storage
 
@@ -44,10 +47,8 @@ def setup(tmp_path_factory):
 
 
 def committed(url: str) -> dict[str, bytes]:
-    """The run's data: shards and sidecars by name (run.json aside: it records --out)."""
-    st = Storage(url)
-    return {f"{d}/{n}": st.read_bytes(f"{d}/{n}") for d in st.listdir() if d.startswith("stream_")
-            for n in st.listdir(d) if n.startswith("shard_")}
+    """The run's committed data, whichever attempts wrote it (run.json aside: it records --out)."""
+    return committed_of(Storage(url))[0]
 
 
 def sidecar_count(url: str) -> int:
@@ -56,10 +57,33 @@ def sidecar_count(url: str) -> int:
                for n in st.listdir(d))
 
 
-def start(setup, out: str, *extra: str, log: str) -> subprocess.Popen:
+def start(setup, out: str, *extra: str, log: str, prefix: tuple[str, ...] = (), env: dict | None = None
+          ) -> subprocess.Popen:
+    """`harvest extract` in the background; `prefix` runs it under another command (its own pid namespace),
+    in a session of its own, so that signals to the process group reach harvest itself."""
     with open(setup.root / log, "wb") as f:
-        return subprocess.Popen(harvest_cmd(*setup.args(out, *extra)), env=harvest_env(setup.cache, devices=2),
-                                stdout=subprocess.DEVNULL, stderr=f)
+        return subprocess.Popen([*prefix, *harvest_cmd(*setup.args(out, *extra))],
+                                env=env or harvest_env(setup.cache, devices=2), stdout=subprocess.DEVNULL, stderr=f,
+                                start_new_session=True)
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    os.killpg(proc.pid, sig)
+
+
+def stopped(proc: subprocess.Popen) -> bool:
+    """Whether every process of its group is stopped (state T), as SIGSTOP leaves them."""
+    states = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == proc.pid:  # its process group
+                states.append(fields[0])
+    return bool(states) and all(state == "T" for state in states)
 
 
 def wait_for_commits(proc: subprocess.Popen, url: str, n: int, timeout: float = 120) -> None:
@@ -94,33 +118,115 @@ def test_two_identical_commands_at_once_one_extracts(setup):
     assert_verified(out, harvest_env(setup.cache))
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "gs", "s3"])
 def test_a_worker_stopped_past_the_ttl_is_fenced_out_and_commits_nothing(setup, kind, request):
-    out = str(setup.root / "stalled") if kind == "local" else request.getfixturevalue("s3_url")
+    out = str(setup.root / "stalled") if kind == "local" else request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_url")
     env = harvest_env(setup.cache, devices=2)
-    a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), log=f"a-{kind}.log")
+    # A runs as on another VM: nothing here can prove it alive or gone, so B waits out A's own TTL.
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), log=f"a-{kind}.log", prefix=another_vm())
     try:
         wait_for_commits(a, out, 2)
-        os.kill(a.pid, signal.SIGSTOP)
-        time.sleep(TTL + 0.5)
-        b = run_harvest(*setup.args(out, "--worker-id", "b", "--lease-ttl", str(TTL)), env=env, timeout=300)
+        signal_group(a, signal.SIGSTOP)
+        began = time.monotonic()
+        b = run_harvest(*setup.args(out, "--worker-id", "b", "--lease-ttl", "600"), env=env, timeout=300)
         assert b.returncode == 0, b.stderr
-        assert "took over the lease of worker 'a'" in b.stderr, b.stderr
+        assert "worker 'a'" in b.stderr and "left its lease unchanged" in b.stderr, b.stderr
+        assert time.monotonic() - began > TTL  # A's TTL, as its lease records it, not B's 600 s
         after_b = committed(out)
-        os.kill(a.pid, signal.SIGCONT)
+        signal_group(a, signal.SIGCONT)
         woke = time.monotonic()
         code = a.wait(timeout=60)
         took = time.monotonic() - woke  # its heartbeat or its next write notices at once (~0.3 s here)
         assert code == 3 and took < TTL, (code, took, (setup.root / f"a-{kind}.log").read_text())
     finally:
         if a.poll() is None:
-            os.kill(a.pid, signal.SIGCONT)
-            a.kill()
+            signal_group(a, signal.SIGCONT)
+            signal_group(a, signal.SIGKILL)
             a.wait()
     line = error_line(setup, f"a-{kind}.log")
     assert "was taken over by worker 'b'" in line, line
     assert committed(out) == after_b == setup.reference  # nothing of A's landed after B took over
     assert_verified(out, env)
+
+
+def test_two_containers_alike_in_worker_id_host_boot_and_pid_one_commits_each_shard(setup):
+    """`docker run --net=host` twice on one VM, the same command: the same worker id, hostname and boot id,
+    and each harvest is pid 1 of its own namespace. One extracts; the other sees the lease move (the
+    first's heartbeat) and stops with one line, having written nothing."""
+    out = str(setup.root / "containers")
+    twins = [start(setup, out, "--worker-id", "w", "--lease-ttl", str(TTL), log=f"container{i}.log",
+                   prefix=another_vm()) for i in range(2)]
+    codes = [p.wait(timeout=300) for p in twins]
+    assert sorted(codes) == [0, 2], codes
+    line = error_line(setup, f"container{codes.index(2)}.log")
+    assert "held by worker 'w'" in line and "moved while this worker watched it" in line and "(pid 1)" in line, line
+    assert committed(out) == setup.reference
+    assert_verified(out, harvest_env(setup.cache))
+
+
+def test_a_long_ttl_holds_against_a_short_one_and_against_a_clock_an_hour_ahead(setup):
+    """A holds its streams with --lease-ttl 60 (heartbeat every 10 s) from another pid namespace. A command
+    with --lease-ttl 2, and one whose wall clock runs an hour ahead (libfaketime), watch A's lease for A's
+    60 s, see it move, and stop (exit 2); neither takes it over, and A finishes alone."""
+    out = str(setup.root / "long-ttl")
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", "60", "--batch-size", "1", log="long-ttl-a.log",
+              prefix=another_vm())
+    try:
+        wait_for_commits(a, out, 1)
+        env = harvest_env(setup.cache, devices=2)
+        ahead = {**env, **libfaketime.get_reload_information()[1], "FAKETIME": "+1h"}
+        takers = [start(setup, out, "--worker-id", "b", "--lease-ttl", "2", log="long-ttl-b.log"),
+                  start(setup, out, "--worker-id", "c", "--lease-ttl", "2", log="long-ttl-c.log", env=ahead)]
+        codes = [t.wait(timeout=120) for t in takers]
+        assert a.poll() is None, "A finished before the takers decided: the test proves nothing"
+        assert codes == [2, 2], (codes, [(setup.root / f"long-ttl-{w}.log").read_text() for w in "bc"])
+        for who in "bc":
+            assert "moved while this worker watched it" in error_line(setup, f"long-ttl-{who}.log")
+        assert a.wait(timeout=300) == 0, (setup.root / "long-ttl-a.log").read_text()
+    finally:
+        if a.poll() is None:
+            signal_group(a, signal.SIGKILL)
+            a.wait()
+    assert committed(out) == setup.reference
+    assert_verified(out, harvest_env(setup.cache))
+
+
+@pytest.mark.parametrize("kind", ["local", "gs", "s3"])
+def test_a_writer_stopped_between_its_lease_check_and_its_commit_commits_nothing(setup, kind, request):
+    """A stops (SIGSTOP, from a test hook) after its last lease check and before it creates shard 1's
+    sidecar, its data object already written. B takes the stream over and finishes it. A wakes and
+    creates the sidecar: the create fails, A stops with one line, and nothing of A's is committed."""
+    out = str(setup.root / f"paused-{kind}") if kind == "local" else \
+        request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_url")
+    env = harvest_env(setup.cache, devices=2)
+    hooked = {**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1"}
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), "--streams", "0", log=f"paused-a-{kind}.log",
+              prefix=another_vm(), env=hooked)
+    try:
+        deadline = time.monotonic() + 120
+        while not stopped(a):
+            assert a.poll() is None and time.monotonic() < deadline, (setup.root / f"paused-a-{kind}.log").read_text()
+            time.sleep(0.05)
+        a_object = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000001-")]
+        assert len(a_object) == 1  # A's data object of shard 1 is written; its commit is not
+        b = run_harvest(*setup.args(out, "--worker-id", "b", "--lease-ttl", str(TTL), "--streams", "0"), env=env,
+                        timeout=300)
+        assert b.returncode == 0, b.stderr
+        signal_group(a, signal.SIGCONT)
+        assert a.wait(timeout=60) == 3, (setup.root / f"paused-a-{kind}.log").read_text()
+    finally:
+        if a.poll() is None:
+            signal_group(a, signal.SIGCONT)
+            signal_group(a, signal.SIGKILL)
+            a.wait()
+    line = error_line(setup, f"paused-a-{kind}.log")  # its commit failed; its heartbeat may have said so first
+    assert "stream 0: shard 1 was committed by another writer first" in line or "taken over by worker 'b'" in line
+    ours, leftovers = committed_of(Storage(out))
+    assert ours == {k: v for k, v in setup.reference.items() if k.startswith("stream_00000/")}
+    assert a_object[0] not in Storage(out).listdir("stream_00000") and not leftovers
+    report = run_harvest("verify", out, env=env)
+    assert "stream_00001/: no committed shard" in report.stdout  # the other streams were not asked for
+    assert "stream_00000/" not in report.stdout.replace("stream_00001/", ""), report.stdout
 
 
 def test_storage_unreachable_past_half_the_ttl_stops_the_worker_and_a_rerun_finishes(setup, s3_proxy_url, s3_proxy):

@@ -12,7 +12,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from extract_helpers import harvest_env, run_harvest, text_streams
+from extract_helpers import another_vm, harvest_env, run_harvest, text_streams
 from fleet_helpers import RecordedJobs, record, write_fleet
 from rich.console import Console
 
@@ -182,16 +181,6 @@ def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_pa
     assert main(["verify", gcs_url]) == 1 and "stream_00004/: no committed shard" in capsys.readouterr().out
     assert_equals_reference(gcs_url, reference, [0, 1, 2, 3])
     assert_equals_reference(s3_url, reference, [4, 5, 6, 7])
-
-
-def another_vm() -> tuple[str, ...]:
-    """A prefix that runs a command in a pid namespace of its own, as on another VM: a lease holder's pid
-    proves nothing there, so a taker waits out the holder's TTL (root, or where user namespaces are allowed)."""
-    for prefix in (("unshare", "--pid", "--fork", "--mount-proc"),
-                   ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc")):
-        if shutil.which("unshare") and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
-            return prefix
-    pytest.skip("unshare cannot make a pid namespace here (needs root or user namespaces)")
 
 
 def test_a_stopped_worker_resumed_after_its_replacement_exits_without_writing(setup, s3_url, gcs_url, tmp_path):

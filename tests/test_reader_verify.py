@@ -276,8 +276,8 @@ CASES = {
     "deleted shard file": (_delete("stream_00000/shard_000001.safetensors"),
                            "stream_00000/shard_000001.json", "without its data"),
     "corrupted byte": (_corrupt, "stream_00000/shard_000001.safetensors", "checksum mismatch"),
-    "deleted sidecar": (_delete("stream_00001/shard_000000.json"),
-                        "stream_00001/shard_000000.safetensors", "orphan shard"),
+    "deleted sidecar": (_delete("stream_00001/shard_000000.json"),  # its data object is then a leftover
+                        "stream_00001/shard_000001.json", "gap: shard_000000 missing"),
     "gap": (_delete("stream_00000/shard_000001.safetensors", "stream_00000/shard_000001.json"),
             "stream_00000/shard_000002.json", "gap: shard_000001 missing"),
     "overlap": (_rewrite_with_overlap, "stream_00000/shard_000001.safetensors", "duplicate sample"),

@@ -11,7 +11,9 @@ Everything runs the real CLI in subprocesses on the tiny embedded demo checkpoin
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import shutil
 import subprocess
 import types
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 from extract_helpers import (
     count_sidecars,
+    data_of,
     data_files,
     harvest_cmd,
     is_complete,
@@ -103,16 +106,15 @@ def test_killed_at_random_moments_and_resumed_writes_the_same_bytes(run):
 
     # A kill just after a shard's data landed but before its sidecar, simulated on the finished run:
     # stream 0 loses its last sidecar (the final shard), stream 1 its last sidecar with the orphan data
-    # file cut short, stream 2 a middle sidecar with one byte of the orphan flipped (later shards of
-    # stream 2 are then rewritten too). Resume rewrites each under the same name, with the same bytes.
+    # object cut short, stream 2 its last sidecar with one byte of the orphan flipped. Resume commits each
+    # shard again, with the same bytes (under its own attempt's name), and sweeps the orphans.
     streams = [sorted((b / f"stream_{s:05d}").glob("shard_*.json")) for s in range(NUM_STREAMS)]
     streams[0][-1].unlink()
+    orphan = data_of(streams[1][-1])
     streams[1][-1].unlink()
-    orphan = streams[1][-1].with_suffix(".safetensors")
     orphan.write_bytes(orphan.read_bytes()[: orphan.stat().st_size // 2])
-    middle = streams[2][len(streams[2]) // 2]
-    middle.unlink()
-    orphan = middle.with_suffix(".safetensors")
+    orphan = data_of(streams[2][-1])
+    streams[2][-1].unlink()
     data = bytearray(orphan.read_bytes())
     data[len(data) // 2] ^= 0xFF
     orphan.write_bytes(bytes(data))
@@ -121,6 +123,18 @@ def test_killed_at_random_moments_and_resumed_writes_the_same_bytes(run):
     temps += assert_same_run(run.a, b)
     checked = verify(b, run.env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+    # A sidecar lost from the middle of a stream (never by harvest: sidecars are created in order and never
+    # deleted but by --overwrite): the stream cannot resume past it, and the rerun says so in one line.
+    middle = sorted((b / "stream_00002").glob("shard_*.json"))[5]
+    kept = middle.read_bytes()
+    middle.unlink()
+    before = data_files(b)
+    refused = run_harvest(*run.args(b), env=run.env)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert f"{middle.name} is missing" in refused.stderr and "--overwrite" in refused.stderr, refused.stderr
+    assert data_files(b) == before
+    middle.write_bytes(kept)
     # Temp files of writes a SIGKILL cut short (up to a whole shard each): invisible to harvest, but the
     # resumed worker, holding the stream's lease, must clear them, or every preemption leaks disk.
     assert not temps, f"temp files of killed writes left behind after resume: {sorted(set(temps))}"
@@ -129,17 +143,17 @@ def test_killed_at_random_moments_and_resumed_writes_the_same_bytes(run):
 def test_verify_names_a_missing_or_altered_shard(run):
     missing = run.root / "v-missing"
     shutil.copytree(run.a, missing)
-    (missing / "stream_00001/shard_000003.safetensors").unlink()
+    data_of(missing / "stream_00001/shard_000003.json").unlink()
     result = verify(missing, run.env)
     assert result.returncode == 1, result.stdout + result.stderr
     problems = result.stdout.splitlines()[:-1]
     assert problems and all("stream_00001/shard_000003" in line for line in problems), result.stdout
-    assert "shard_000003.safetensors is missing" in result.stdout, result.stdout
+    assert "sidecar without its data: shard_000003-" in result.stdout, result.stdout
     assert "FAILED" in result.stdout.splitlines()[-1]
 
     flipped = run.root / "v-flipped"
     shutil.copytree(run.a, flipped)
-    altered = "stream_00002/shard_000005.safetensors"
+    altered = data_of(flipped / "stream_00002/shard_000005.json").relative_to(flipped).as_posix()
     data = bytearray((flipped / altered).read_bytes())
     data[-7] ^= 0x01  # in the tensor data, not the header: the file still decodes
     (flipped / altered).write_bytes(bytes(data))
@@ -159,9 +173,21 @@ def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run
                                     stderr=subprocess.STDOUT)
     try:
         wait_for_sidecars(worker_a, out, 2)
+        os.kill(worker_a.pid, signal.SIGSTOP)  # alive, on this host: a second worker is refused at once
+        refused_while_a_runs(run, out, args)
     finally:
         worker_a.kill()
         worker_a.wait()
+    # A killed: the same worker id proves its holder gone (a dead pid of this boot) and resumes at once.
+    resumed = run_harvest(*args, "--worker-id", "a", env=run.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert is_complete(out, NUM_STREAMS)
+    assert_released(out)
+    checked = verify(out, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def refused_while_a_runs(run, out: Path, args: list[str]) -> None:
     assert not is_complete(out, NUM_STREAMS)
     leases = sorted(out.glob("stream_*/lease.json"))
     assert leases and all(json.loads(p.read_text())["worker"] == "a" for p in leases)
@@ -178,13 +204,6 @@ def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run
     wiping = run_harvest(*args, "--worker-id", "b", "--overwrite", env=run.env)
     assert wiping.returncode == 2 and f"stream {stream} " in wiping.stderr, wiping.stdout + wiping.stderr
     assert snapshot(out) == before, "--overwrite by a worker without the lease changed the output"
-
-    resumed = run_harvest(*args, "--worker-id", "a", env=run.env)
-    assert resumed.returncode == 0, resumed.stderr
-    assert is_complete(out, NUM_STREAMS)
-    assert_released(out)
-    checked = verify(out, run.env)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def test_other_settings_into_the_same_out_are_refused_unless_overwrite(run):

@@ -91,13 +91,16 @@ def sidecar_name(shard: int) -> str:
 
 
 def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
-    """The stream's committed shards: its sidecars from shard 0 on, as long as they follow one another."""
+    """The stream's committed shards: its sidecars from shard 0 on, each continuing the one before (UserError
+    where they do not: a gap, or a sidecar that does not continue its predecessor)."""
     directory = fmt.stream_dir(stream)
     numbers = sorted(int(m.group(1)) for name in storage.listdir(directory) if (m := _SIDECAR.match(name)))
     chain: list[Sidecar] = []
     for expected, number in enumerate(numbers):
         if number != expected:
-            break
+            raise UserError(f"{storage.url_of(f'{directory}/{sidecar_name(expected)}')} is missing while later "
+                            f"shards of the stream are committed (lost from storage, or an --overwrite cut "
+                            "short): the stream cannot resume past it; rerun with --overwrite to start it over")
         rel = f"{directory}/{sidecar_name(number)}"
         try:
             sidecar = Sidecar.from_bytes(storage.read_bytes(rel))
@@ -229,7 +232,9 @@ class Committer:
 
     def _cause(self, stream: int, error: BaseException) -> BaseException:
         """A write that failed because this worker lost the stream (the new holder cleared its temp files,
-        say) fails for that reason: the guard's error names the holder."""
+        say) fails for that reason: the guard's error names the holder. A lost commit is its own reason."""
+        if isinstance(error, CommitLost):
+            return error
         try:
             self.guard(stream)
         except Exception as lost:

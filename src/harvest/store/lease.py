@@ -41,7 +41,7 @@ from harvest.store.records import LeaseRecord, now_iso
 log = logging.getLogger(__name__)
 
 LEASE = "lease.json"
-MAX_POLL_S = 10.0  # a watched lease is read at least this often (more often for short TTLs)
+MAX_POLL_S = 2.0  # a watched lease is read at least this often (more often for short TTLs)
 
 
 class LeaseHeld(UserError):
