@@ -307,6 +307,19 @@ def test_verify_reports_each_problem(tmp_path, case):
     assert report.summary.startswith("FAILED ")
 
 
+def test_uncommitted_data_objects_are_leftovers_not_problems(tmp_path):
+    """What a writer that lost its stream, or was killed before its commit, leaves: listed, not failed."""
+    run = fake_run(tmp_path)
+    names = ["stream_00000/shard_000001-0123456789abcdef.safetensors", "stream_00001/shard_000009-fedcba98.safetensors"]
+    for name in names:
+        run.storage.write_bytes(name, b"not committed")
+    report = verify(run.url)
+    assert report.ok, report.problems
+    assert report.leftovers == names and "2 uncommitted leftovers" in report.summary
+    assert report.lines()[0] == f"{run.url}/{names[0]}: leftover, committed by no sidecar (deleted by the stream's " \
+                                "next writer)"
+
+
 def test_verify_several_runs(tmp_path, capsys):
     from harvest.cli import main
 
