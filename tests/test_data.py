@@ -218,7 +218,7 @@ def test_streams_round_trip(jsonl, tmp_path):
     for s in range(4):
         got = list(ss.records(s))
         assert [r.sample_id for r in got] == [ss.sample_id(s, i) for i in range(ss.counts[s])]
-        assert [ss.position(r.sample_id) for r in got] == [(s, i) for i in range(ss.counts[s])]
+        assert [ss.locate(r.sample_id) for r in got] == [(s, i) for i in range(ss.counts[s])]
         seen += got
         for start in range(ss.counts[s] + 1):
             assert list(ss.records(s, start)) == got[start:]

@@ -246,3 +246,27 @@ def test_rerunning_a_finished_run_from_another_directory_changes_nothing(run):
     after, temps = data_files(out)
     assert after == before and not temps
     assert_released(out)
+
+
+def test_overwrite_of_some_streams_keeps_run_json_true_for_all(tmp_path):
+    """--overwrite --streams 0 of a 4-stream run replaces stream 0 only: other settings are refused (run.json
+    must go on describing streams 1-3), the same settings redo it, and the run verifies, every stream's
+    tensors read and checked against run.json."""
+    checkpoint, env, streams = text_streams(tmp_path, 4, n=48)
+    out = tmp_path / "four"
+
+    def args(points: str, *extra: str) -> list[str]:
+        return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", str(out), "--points", points,
+                "--max-seq-len", "128", "--long", "chunk", "--shard-size", "64KB", *extra]
+
+    assert run_harvest(*args(POINTS), env=env).returncode == 0
+    before = data_files(out)
+    refused = run_harvest(*args("resid_post:1-2", "--overwrite", "--streams", "0"), env=env)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "points:" in refused.stderr and "--overwrite of some streams keeps the others" in refused.stderr
+    assert data_files(out) == before
+    redone = run_harvest(*args(POINTS, "--overwrite", "--streams", "0"), env=env)
+    assert redone.returncode == 0, redone.stderr
+    assert data_files(out) == before  # the same settings: the same bytes, stream 0 written again
+    checked = verify(out, env)
+    assert checked.returncode == 0 and "4 streams" in checked.stdout, checked.stdout + checked.stderr

@@ -21,8 +21,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from harvest.errors import UserError
+from harvest.store.format import Position
 
-Position = tuple[int, int]
 log = logging.getLogger(__name__)
 BLOCK = 64  # records tokenized together: one call into the Rust tokenizer per block
 PACK_ROWS = 32  # rows' worth of tokens packed together: tighter packing, but the host holds a block's captures

@@ -250,8 +250,8 @@ class StreamSet:
     def sample_id(self, stream: int, index: int) -> int:
         return index * self.num_streams + stream
 
-    def position(self, sample_id: int) -> tuple[int, int]:
-        """(stream, index) of a global sample id."""
+    def locate(self, sample_id: int) -> tuple[int, int]:
+        """(stream, index in the stream) of a global sample id."""
         return sample_id % self.num_streams, sample_id // self.num_streams
 
     def location(self, sample_id: int) -> str | None:

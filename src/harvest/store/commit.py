@@ -19,6 +19,7 @@ import queue
 import re
 import signal
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -161,9 +162,15 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callab
 
 
 def _test_stop_before_commit(stream: int, shard: int) -> None:
-    """Fault injection for tests: HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD stops this process (SIGSTOP)
-    after its last lease check and before the commit of that shard, as a stalled VM would."""
-    if os.environ.get("HARVEST_TEST_STOP_BEFORE_COMMIT") == f"{stream}:{shard}":
+    """Fault injection for tests, after the last lease check and before the commit of one shard:
+    HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD stops this process (SIGSTOP), as a stalled VM would;
+    STREAM:SHARD:SECONDS holds just this commit that long (a slow write; the heartbeats go on)."""
+    spec = os.environ.get("HARVEST_TEST_STOP_BEFORE_COMMIT", "").split(":")
+    if spec[:2] != [str(stream), str(shard)]:
+        return
+    if len(spec) == 3:
+        time.sleep(float(spec[2]))
+    else:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 

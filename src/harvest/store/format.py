@@ -65,7 +65,7 @@ def tensor_name(point: str, layer: int) -> str:
     return f"{point}.{layer}"
 
 
-Position = tuple[int, int]  # (index in stream, variant)
+Position = tuple[int, int]  # a piece's place in its stream: (index of its record, variant); the one meaning of Position
 
 
 def shard_parts(

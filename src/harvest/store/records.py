@@ -116,7 +116,6 @@ class LeaseRecord(Record):
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
 
 
-Position = tuple[int, int]  # (index of the record in its stream, variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +138,9 @@ class Sidecar(Record):
     file: str
     bytes: int
     sha256: str
-    start: Position
-    next: Position
-    row_start: Position
+    start: fmt.Position
+    next: fmt.Position
+    row_start: fmt.Position
     samples: int
     tokens: int
     stats: dict
