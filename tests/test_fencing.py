@@ -203,7 +203,7 @@ def test_a_writer_stopped_between_its_lease_check_and_its_commit_commits_nothing
     env = harvest_env(setup.cache, devices=2)
     hooked = {**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1"}
     a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), "--streams", "0", log=f"paused-a-{kind}.log",
-              prefix=another_vm(), env=hooked)
+              env=hooked)  # not as pid 1 of a namespace: that one cannot SIGSTOP itself
     try:
         deadline = time.monotonic() + 120
         while not stopped(a):
@@ -211,8 +211,10 @@ def test_a_writer_stopped_between_its_lease_check_and_its_commit_commits_nothing
             time.sleep(0.05)
         a_object = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000001-")]
         assert len(a_object) == 1  # A's data object of shard 1 is written; its commit is not
-        b = run_harvest(*setup.args(out, "--worker-id", "b", "--lease-ttl", str(TTL), "--streams", "0"), env=env,
-                        timeout=300)
+        # B runs as on another VM: it cannot prove A alive, so it waits out A's TTL and takes over.
+        b = subprocess.run([*another_vm(), *harvest_cmd(*setup.args(out, "--worker-id", "b", "--lease-ttl", str(TTL),
+                                                                    "--streams", "0"))],
+                           env=env, capture_output=True, text=True, timeout=300)
         assert b.returncode == 0, b.stderr
         signal_group(a, signal.SIGCONT)
         assert a.wait(timeout=60) == 3, (setup.root / f"paused-a-{kind}.log").read_text()

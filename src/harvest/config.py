@@ -82,7 +82,9 @@ class ExtractConfig:
                                minimum=0)
     arc_include_answer: bool = setting("append the test output to ARC prompts", False)
     arc_template: str | None = setting("ARC prompt template with {examples} and {test_input}", None)
-    worker_id: str | None = setting("this worker's name in stream leases (default: hostname:process index)", None)
+    worker_id: str | None = setting("this worker's name in stream leases; a restart under the same name takes its "
+                                    "leases back at once where the old process is provably gone (default: "
+                                    "hostname:process index)", None)
     coordinator: str | None = setting("multi-host: HOST:PORT of process 0 (else $JAX_COORDINATOR_ADDRESS or "
                                       "auto-detected)", None)
     num_processes: int | None = setting("multi-host: number of processes (else $JAX_PROCESS_COUNT)", None,
@@ -93,9 +95,10 @@ class ExtractConfig:
     no_compile_cache: bool = setting("compile on every run instead of keeping compiled programs in $HARVEST_CACHE/jax "
                                      "(default ~/.cache/harvest/jax), where a repeated or resumed run finds them",
                                      False)
-    lease_ttl: int = setting("seconds without a heartbeat before a stream's lease counts as abandoned and another "
-                             "worker may take it; a worker that cannot refresh its lease for half of this stops "
-                             "writing", 300, minimum=2)
+    lease_ttl: int = setting("seconds this worker's leases may go without a heartbeat; recorded in each lease, so "
+                             "another worker takes one over only after watching it unchanged this long (on its own "
+                             "clock); a worker that cannot refresh its lease for half of this stops writing",
+                             300, minimum=2)
 
     # Settings that decide the bytes written: a resumed run must agree on all of them.
     OUTPUT_FIELDS = ("points", "format", "text_field", "max_seq_len", "long", "dtype", "shard_size", "seed",

@@ -1,11 +1,9 @@
 """Records from a data source, read lazily (a source can hold billions of tokens; nothing loads it whole).
 
-A source spec is one of
-- a local file or directory (every data file directly inside it, sorted; `.`/`_` files ignored),
-- a glob (`data/*.jsonl`, `data/**/*.parquet`): the matching files in sorted order,
-- an fsspec URL, with or without a glob (`gs://bucket/fw/*.parquet`, `s3://...`, `hf://datasets/o/n/*.parquet`),
-- `hf://NAME[:CONFIG]:SPLIT`: a Hugging Face hub dataset, streamed by the `datasets` library
-  (optional: `pip install harvest[hub]`, or `pip install datasets`).
+A source spec is a local file or directory (its data files, sorted; `.`/`_` files ignored), a glob
+(`data/**/*.parquet`, sorted), an fsspec URL with or without a glob (`gs://bucket/fw/*.parquet`, `s3://...`,
+`hf://datasets/o/n/*.parquet`), or `hf://NAME[:CONFIG]:SPLIT`, a hub dataset streamed by `datasets`
+(`pip install harvest[hub]`).
 
 File kinds, by extension (optionally compressed `.gz` `.bz2` `.xz` `.zst`):
 - `.jsonl` / `.ndjson`: one JSON object per line. EVERY line is a record, blank ones included (they come
@@ -14,8 +12,7 @@ File kinds, by extension (optionally compressed `.gz` `.bz2` `.xz` `.zst`):
   value becomes a record with "id" set to its key), or one object that is not that (an ARC task file:
   one record, "id" defaulting to the file stem). A `.json` file is parsed whole, so keep them small.
 - `.parquet`: read in row-group batches with pyarrow.
-- `.txt` / `.text`: one record `{"text": line}` per line (an empty line gives an empty text, which the
-  prompt layer skips as "empty text").
+- `.txt` / `.text`: one record `{"text": line}` per line (an empty line: an empty text, skipped later).
 
 Every record gets a global `sample_id`: its 0-based position over the concatenation of the files. A bad
 record (malformed JSON, not an object, not UTF-8) is a `Record` with `value=None` and `error` set: never
