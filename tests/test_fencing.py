@@ -166,11 +166,11 @@ def test_two_containers_alike_in_worker_id_host_boot_and_pid_one_commits_each_sh
 
 def test_a_long_ttl_holds_against_a_short_one_and_against_a_clock_an_hour_ahead(setup):
     """A holds its streams with --lease-ttl 60 (heartbeat every 10 s) from another pid namespace, one of its
-    commits held for 45 s (a slow write) so that it is still running. A command with --lease-ttl 2, and one
+    commits held for 30 s (a slow write) so that it is still running. A command with --lease-ttl 2, and one
     whose wall clock runs an hour ahead (libfaketime), watch A's lease for A's 60 s, see it move, and stop
     (exit 2); neither takes it over, and A finishes alone."""
     out = str(setup.root / "long-ttl")
-    slow = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1:45"}
+    slow = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1:30"}
     a = start(setup, out, "--worker-id", "a", "--lease-ttl", "60", log="long-ttl-a.log", prefix=another_vm(),
               env=slow)
     try:
