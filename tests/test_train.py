@@ -1,13 +1,13 @@
 """harvest train: the loss falls on real text, a sharded step equals the single-device step (8 devices and
-2 processes x 4), a killed or preempted run resumes to the params of one never interrupted, export loads
-in transformers with harvest's logits, bad input is one line with nothing written, checkpoints in s3://
-and gs:// buckets resume on fresh machines (one process and two)."""
+2 processes x 4), a killed or preempted run (exit 75) resumes to the params of one never interrupted, past a
+damaged newest checkpoint, export loads in transformers with harvest's logits, bad input is one line with
+nothing written, checkpoints in s3:// and gs:// buckets resume on fresh machines (one process and two).
+Checkpoint steps in storage on their own: tests/test_checkpoints.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import random
 import re
 import signal
 import subprocess
@@ -89,7 +89,7 @@ def restored_params(out: Path | str, step: int | None = None) -> dict:
     from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
 
     checkpoints = Checkpoints(f"{out}/{CHECKPOINTS}", every=1, keep=1, read_only=True)
-    params = jax.device_get(checkpoints.restore_params(step if step is not None else checkpoints.latest_step()))
+    params = jax.device_get(checkpoints.restore_params(step if step is not None else checkpoints.steps()[-1]))
     checkpoints.close()
     return params
 
@@ -231,13 +231,39 @@ def checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) if root.exists() else []
 
 
+def read_until(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> None:
+    """Read the run's output up to a line holding `text`."""
+    deadline = time.monotonic() + timeout_s
+    while text not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, f"the run ended before printing {text!r}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout_s} s"
+
+
+def flip_a_params_byte(out: Path, step: int) -> str:
+    """Flip the last byte of a params chunk of `step` (its newest copy); the chunk's name."""
+    from harvest.store.records import CheckpointPart
+
+    part = sorted((out / "checkpoints" / str(step)).glob("*/process_00000.json"))[-1]
+    name = next(e["name"] for e in CheckpointPart.from_bytes(part.read_bytes()).files
+                if e["name"].startswith("state/params."))
+    chunk = part.with_suffix("") / name
+    data = chunk.read_bytes()
+    chunk.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    return name
+
+
 @pytest.mark.slow
 def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data, tokenizer_dir, tmp_path):
-    """N steps; then toward 2N, SIGKILL at a random moment; then SIGTERM, which saves and exits 0; then the same
-    command to the end. The params equal those of one run straight to 2N (remat layer, the default). (A constant
-    lr after warmup: a cosine or linear schedule depends on --steps, so a run to N would follow another one.)"""
+    """N steps; then toward 2N, SIGKILL as step N+2's checkpoint starts to save; then SIGTERM short of the end,
+    which saves and exits 75 (retry later); then a byte of that newest checkpoint flipped: the same command
+    says so in one line, resumes from the one before and goes to the end. The params equal those of one run
+    straight to 2N (remat layer, the default). (A constant lr after warmup: a cosine or linear schedule depends
+    on --steps, so a run to N would follow another one.) The interrupted runs hold at step 2N-1 until a signal
+    (HARVEST_TRAIN_HOLD_AT_STEP), so no signal can race the end of the run it is meant for."""
+    from harvest.train.job import HOLD_AT
+
     env = harvest_env(tmp_path / "cache", devices=2)
-    rng = random.Random("train-kill")
+    held = {**env, HOLD_AT: str(2 * STEPS - 1)}
 
     def args(out: Path, steps: int) -> list[str]:
         return ["train", "--shape", json.dumps(TINY_SHAPE), "--tokenizer", str(tokenizer_dir), "--data",
@@ -245,31 +271,33 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data,
                 "--lr", "0.003", "--warmup", "2", "--schedule", "constant", "--checkpoint-every", "2", "--log-every", "1"]
 
     reference, out = tmp_path / "reference", tmp_path / "run"
-    done = run_harvest(*args(reference, 2 * STEPS), env=env)
-    assert done.returncode == 0, done.stderr
+    straight = subprocess.Popen(harvest_cmd(*args(reference, 2 * STEPS)), env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)  # alongside the others
     first = run_harvest(*args(out, STEPS), env=env)
     assert first.returncode == 0, first.stderr
     assert checkpoint_steps(out)[-1] == STEPS
 
-    proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    time.sleep(rng.uniform(0.5, 8.0))
+    proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=held, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    read_until(proc, f"step {STEPS + 2}/{2 * STEPS}")
     proc.kill()
     proc.wait()
-    proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=held, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while "step " not in (line := proc.stdout.readline()) and time.monotonic() < deadline:
-        assert line or proc.poll() is None, "the run ended before its first step"
+    read_until(proc, f"holding at step {2 * STEPS - 1}")
     proc.send_signal(signal.SIGTERM)
     rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, rest
-    assert "stopped on SIGTERM" in rest or "step 12/12" in rest, rest
-    stopped = int(rest.rsplit("step ", 1)[1].split("/")[0]) if "stopped on SIGTERM" in rest else 2 * STEPS
-    assert stopped in checkpoint_steps(out), (stopped, checkpoint_steps(out))
+    assert proc.returncode == 75, rest
+    assert f"step {2 * STEPS - 1}/{2 * STEPS} (stopped on SIGTERM" in rest, rest
+    assert checkpoint_steps(out)[-1] == 2 * STEPS - 1
+    chunk = flip_a_params_byte(out, 2 * STEPS - 1)
     resumed = run_harvest(*args(out, 2 * STEPS), env=env)
     assert resumed.returncode == 0, resumed.stderr
+    damaged = [line for line in resumed.stderr.splitlines() if "damaged" in line]
+    assert len(damaged) == 1 and f"step {2 * STEPS - 1} is damaged, resuming from step {2 * STEPS - 2}" in damaged[0] \
+        and chunk in damaged[0], resumed.stderr
     assert checkpoint_steps(out)[-1] == 2 * STEPS
+    assert straight.wait(timeout=120) == 0, straight.stderr.read()
     assert_trees_close(restored_params(out), restored_params(reference), rtol=1e-6)
     assert [r["step"] for r in metrics(out)] == list(range(1, 2 * STEPS + 1))
 
@@ -384,7 +412,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
 
 
 BUCKET_RUN = dict(shape=TINY_SHAPE, seq_len=64, batch_size=8, lr=3e-3, warmup=1, schedule="constant", checkpoint_every=2,
-                  keep=1, log_every=1, remat="none")
+                  keep=2, log_every=1, remat="none")
 
 
 @pytest.fixture(scope="module")
@@ -396,10 +424,12 @@ def bucket_reference(text_data, tokenizer_dir, tmp_path_factory) -> dict:
 
 
 def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, bucket_reference, text_data,
-                                                                      tokenizer_dir, tmp_path, monkeypatch, capsys):
-    """A run in a bucket (the GCS emulator; S3 through moto: the two-process test below): 2 steps on one
-    "machine", 2 more on another whose staging is empty, equal to 4 steps straight (fp32); keep=1 leaves one
-    complete step; status and export read the bucket; a damaged file in the bucket is one line, exit 2."""
+                                                                      tokenizer_dir, tmp_path, monkeypatch, capsys,
+                                                                      caplog):
+    """A run in a bucket (GCS; S3: the two-process test below): 2 steps on one "machine" (checkpoints 1 and
+    2), then a byte of step 2 flipped: another machine, whose staging is empty, says so in one line, resumes
+    from step 1 and goes on to 4, equal to 4 steps straight (fp32); status and export read the bucket;
+    exporting a damaged step is one line, exit 2."""
     from rich.console import Console
     from safetensors.numpy import load_file
 
@@ -413,12 +443,30 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
 
     url = gcs_url
     settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
-    for machine, steps in (("a", 2), ("b", 4)):  # each machine: its own, empty cache
-        monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
-        assert train(**settings, out=url, steps=steps)["step"] == steps
-    assert not any((tmp_path / "machine-b").rglob("*.zarray")), "the staging outlived the run"
     checkpoints = Storage(url).child("checkpoints")
-    assert step_parts.steps_present(checkpoints) == step_parts.complete_steps(checkpoints) == [4]
+
+    def a_params_chunk(step: int) -> tuple[Storage, str]:
+        """The part of process 0 in `step`'s newest copy, and a params chunk in it."""
+        attempt = next(a for s, a in step_parts.complete(checkpoints) if s == step)
+        chunk = next(e["name"] for e in CheckpointPart.from_bytes(checkpoints.read_bytes(
+            f"{step}/{attempt}/process_00000.json")).files if e["name"].startswith("state/params."))
+        return checkpoints.child(f"{step}/{attempt}/process_00000"), chunk
+
+    def flip(part: Storage, chunk: str) -> None:
+        data = part.read_bytes(chunk)
+        part.write_bytes(chunk, data[:-1] + bytes([data[-1] ^ 1]))
+
+    for machine, steps, every in (("a", 2, 1), ("b", 4, 2)):  # each machine: its own, empty cache
+        monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / f"machine-{machine}"))
+        assert train(**{**settings, "checkpoint_every": every}, out=url, steps=steps)["step"] == steps
+        if machine == "a":
+            assert step_parts.complete_steps(checkpoints) == [1, 2]
+            part, chunk = a_params_chunk(2)
+            flip(part, chunk)
+    warned = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert len(warned) == 1 and "step 2 is damaged, resuming from step 1" in warned[0] and chunk in warned[0], warned
+    assert not any((tmp_path / "machine-b").rglob("*.zarray")), "the staging outlived the run"
+    assert step_parts.steps_present(checkpoints) == step_parts.complete_steps(checkpoints) == [2, 4]
     ours = restored_params(url)
     assert_trees_close(ours, bucket_reference, rtol=1e-6)
     assert [json.loads(line)["step"] for line in Storage(url).read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3, 4]
@@ -433,12 +481,8 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
     for name, value in to_hf(ours, model).items():
         np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
-    part = checkpoints.child("4/process_00000")
-    chunk = next(e["name"] for e in CheckpointPart.from_bytes(
-        checkpoints.read_bytes("4/process_00000.json")).files if e["name"].startswith("state/params."))
-    original = part.read_bytes(chunk)
-    for damage, expected in ((lambda: part.write_bytes(chunk, original[:-1] + bytes([original[-1] ^ 1])),
-                              "differ from what process_00000.json recorded"),
+    part, chunk = a_params_chunk(4)
+    for damage, expected in ((lambda: flip(part, chunk), "differ from what process_00000.json recorded"),
                              (lambda: part.delete(chunk), "missing, though process_00000.json lists it")):
         damage()
         assert main(["train", "export", url, "--out", str(tmp_path / f"export-{len(expected)}")]) == 2
@@ -463,8 +507,10 @@ def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, t
         logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
         assert codes == [0, 0], [log[-3000:] for log in logs]
     assert "step 3/4" in logs[0] and "step 2/4" not in logs[0], logs[0]  # resumed at 2
-    parts = step_parts.read_parts(Storage(s3_url).child("checkpoints"), 4)
-    assert [p.process for p in parts] == [0, 1] and all(p.files for p in parts)
+    checkpoints = Storage(s3_url).child("checkpoints")
+    (step, attempt), _ = step_parts.complete(checkpoints)
+    parts = step_parts.read_parts(checkpoints, step, attempt)
+    assert step == 4 and [p.process for p in parts] == [0, 1] and all(p.files for p in parts)
     assert_trees_close(restored_params(s3_url), bucket_reference, rtol=1e-5)
 
 

@@ -59,7 +59,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from harvest.errors import UserError
+    from harvest.errors import RetryLater, UserError
 
     if args.action == "export":
         from harvest.train.export import export
@@ -79,7 +79,7 @@ def _train(args: argparse.Namespace) -> int:
     how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
     print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
           f"{summary['seconds']}s")
-    return 0
+    return RetryLater.exit_code if summary["preempted"] else 0  # a job manager reruns it: it resumes
 
 
 def _print_summary(summary: dict) -> None:

@@ -219,11 +219,13 @@ class RunInfo(Record):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointPart(Record):
-    """`checkpoints/<step>/process_NNNNN.json`: the commit marker of one process's part of a checkpoint step,
-    written after the files it lists (names relative to the part's directory, '/'-separated). A step exists
-    only when all `num_processes` markers do."""
+    """`checkpoints/<step>/<attempt>/process_NNNNN.json`: the commit marker of one process's part of a checkpoint
+    step, written after the files it lists (names relative to the part's directory, '/'-separated). `attempt`
+    names the start of `harvest train` that wrote it (every process of a start shares it): a step is complete
+    only when all `num_processes` markers of one attempt are there."""
 
     step: int
+    attempt: str
     process: int
     num_processes: int
     files: list  # [{"name": str, "bytes": int, "sha256": str}]
@@ -237,4 +239,6 @@ class CheckpointPart(Record):
                 raise ValueError(f"field 'files': expected {{name, bytes, sha256}} entries, got {entry!r:.80}")
         if not 0 <= part.process < part.num_processes:
             raise ValueError(f"process {part.process} outside 0..{part.num_processes - 1}")
+        if not (0 < len(part.attempt) <= 64 and part.attempt.isascii() and part.attempt.replace("-", "").isalnum()):
+            raise ValueError(f"field 'attempt': {part.attempt!r:.80} is not an attempt id")
         return part

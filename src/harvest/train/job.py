@@ -3,13 +3,15 @@
 Order matters: everything a user can get wrong (config, shape, mesh, data, disagreeing processes, a run
 made with other settings) is refused before the first byte is written. Then the newest checkpoint, if
 any, is restored (state and data position) and the loop runs to `steps`, logging metrics, saving every
-`checkpoint_every` steps; SIGTERM (the preemption notice) saves at once and exits 0.
+`checkpoint_every` steps; SIGTERM (the preemption notice) saves at once and stops: short of `steps`, the
+command exits 75 (retry later), and rerunning it resumes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import time
 from importlib.metadata import version
@@ -38,6 +40,8 @@ from harvest.train.step import batch_sharding, init_state, make_step, state_shar
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
+# Tests: after this step the loop waits for SIGTERM, so a test's signal lands short of --steps by construction.
+HOLD_AT = "HARVEST_TRAIN_HOLD_AT_STEP"
 
 
 class RunMismatch(UserError):
@@ -85,14 +89,15 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     params_shape = _params_shape(model, cfg.param_dtype)
     shardings = state_shardings(optimizer, model, mesh, params_shape)
     checkpoints = Checkpoints(out.url_of(CHECKPOINTS), every=cfg.checkpoint_every, keep=cfg.keep)
-    latest = checkpoints.latest_step()
-    if latest is None:
+    state_shape = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
+                                            "opt_state": optimizer.init(p)}, params_shape)
+    restored = checkpoints.restore_latest(abstract(state_shape, shardings))
+    if restored is None:
         state = init_state(_initial_params(cfg, model, mesh), optimizer, shardings)
         positions = [Position()] * groups.count
+        saved_at = None
     else:
-        shape = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
-                                          "opt_state": optimizer.init(p)}, params_shape)
-        state, saved = checkpoints.restore(latest, abstract(shape, shardings))
+        saved_at, state, saved = restored
         positions = [Position.from_json(p) for p in saved["groups"]]
     if jax.process_index() == 0 and not out.exists(RUN_JSON):
         out.write_json(RUN_JSON, info)
@@ -111,12 +116,12 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     def place(host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
 
-    def save(step: int, force: bool) -> bool:
+    def save(step: int) -> None:
         data_state = {"groups": [p.to_json() for p in _all_positions(feeder.positions(), groups.count)]}
-        return checkpoints.save(step, state, data_state, force=force)
+        checkpoints.save(step, state, data_state, force=True)
 
     start = time.monotonic()
-    preempted = False
+    hold_at = int(os.environ.get(HOLD_AT, -1))
     with _SigtermFlag() as sigterm, distributed.peers_watched():
         step = int(state["step"])
         while step < cfg.steps:
@@ -124,17 +129,22 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
             state, metrics = step_fn(state, place(tokens), place(segments))
             step += 1
             log.step(step, metrics)
+            if step == hold_at:
+                print(f"holding at step {step} until SIGTERM ({HOLD_AT})", flush=True)
+                while not sigterm.raised:
+                    time.sleep(0.02)
             preempted = distributed.any_true(sigterm.raised)
             if preempted or step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save(step, force=True)
+                save(step)
+                saved_at = step
             if preempted:
                 break
-        if checkpoints.latest_step() != step:  # e.g. --steps 0: the starting point is a checkpoint too
-            save(step, force=True)
+        if saved_at != step:  # e.g. --steps 0: the starting point is a checkpoint too
+            save(step)
         checkpoints.wait()
         checkpoints.close()
         distributed.barrier("harvest-train-done")
-    return {"out": out.url, "step": step, "steps": cfg.steps, "preempted": preempted,
+    return {"out": out.url, "step": step, "steps": cfg.steps, "preempted": step < cfg.steps,
             "loss": log.last.get("loss"), "seconds": round(time.monotonic() - start, 1)}
 
 
