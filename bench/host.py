@@ -111,9 +111,9 @@ def host_pipeline(args, root: Path) -> tuple[float, int]:
     def committed(manifest):
         progress.committed(manifest)
         if not args.keep:  # as a page cache reuses its pages once they are on disk
-            out.delete(f"{fmt.stream_dir(manifest.stream)}/{fmt.shard_stem(manifest.shard)}.safetensors")
+            out.delete(f"{fmt.stream_dir(manifest.stream)}/{manifest.file}")
 
-    committer = Committer(out, on_commit=committed)
+    committer = Committer(out, on_commit=committed, attempt="0123456789abcdef")
     captured: queue.Queue = queue.Queue(maxsize=pipeline.QUEUE_DEPTH)
     failure: list[BaseException] = []
     t0 = time.perf_counter()
