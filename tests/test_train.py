@@ -254,12 +254,11 @@ def flip_a_params_byte(out: Path, step: int) -> str:
 
 @pytest.mark.slow
 def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data, tokenizer_dir, tmp_path):
-    """N steps; then toward 2N, SIGKILL as step N+2's checkpoint starts to save; then SIGTERM short of the end,
-    which saves and exits 75 (retry later); then a byte of that newest checkpoint flipped: the same command
-    says so in one line, resumes from the one before and goes to the end. The params equal those of one run
-    straight to 2N (remat layer, the default). (A constant lr after warmup: a cosine or linear schedule depends
-    on --steps, so a run to N would follow another one.) The interrupted runs hold at step 2N-1 until a signal
-    (HARVEST_TRAIN_HOLD_AT_STEP), so no signal can race the end of the run it is meant for."""
+    """A run to 2N, SIGKILLed as step N+2's checkpoint starts to save (step N's upload may still be under way);
+    the same command, SIGTERMed short of the end, saves and exits 75 (retry later); then, with a byte of that
+    newest checkpoint flipped, the same command says so in one line, resumes from the one before and goes to
+    the end. The params equal those of a run straight to 2N (remat layer, the default). The interrupted runs
+    hold at step 2N-1 until a signal (HARVEST_TRAIN_HOLD_AT_STEP), so no signal races the end of its run."""
     from harvest.train.job import HOLD_AT
 
     env = harvest_env(tmp_path / "cache", devices=2)
@@ -271,14 +270,12 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data,
                 "--lr", "0.003", "--warmup", "2", "--schedule", "constant", "--checkpoint-every", "2", "--log-every", "1"]
 
     reference, out = tmp_path / "reference", tmp_path / "run"
-    straight = subprocess.Popen(harvest_cmd(*args(reference, 2 * STEPS)), env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)  # alongside the others
-    first = run_harvest(*args(out, STEPS), env=env)
-    assert first.returncode == 0, first.stderr
-    assert checkpoint_steps(out)[-1] == STEPS
-
     proc = subprocess.Popen(harvest_cmd(*args(out, 2 * STEPS)), env=held, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+    read_until(proc, f"step 1/{2 * STEPS}")  # compiled: the straight run, alongside the others, reuses it
+    with open(tmp_path / "straight.log", "w") as log:
+        straight = subprocess.Popen(harvest_cmd(*args(reference, 2 * STEPS)), env=env, stdout=log,
+                                    stderr=subprocess.STDOUT)
     read_until(proc, f"step {STEPS + 2}/{2 * STEPS}")
     proc.kill()
     proc.wait()
@@ -297,7 +294,7 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_params(text_data,
     assert len(damaged) == 1 and f"step {2 * STEPS - 1} is damaged, resuming from step {2 * STEPS - 2}" in damaged[0] \
         and chunk in damaged[0], resumed.stderr
     assert checkpoint_steps(out)[-1] == 2 * STEPS
-    assert straight.wait(timeout=120) == 0, straight.stderr.read()
+    assert straight.wait(timeout=120) == 0, (tmp_path / "straight.log").read_text()
     assert_trees_close(restored_params(out), restored_params(reference), rtol=1e-6)
     assert [r["step"] for r in metrics(out)] == list(range(1, 2 * STEPS + 1))
 
