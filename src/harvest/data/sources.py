@@ -17,9 +17,8 @@ File kinds, by extension (optionally compressed `.gz` `.bz2` `.xz` `.zst`):
 Every record gets a global `sample_id`: its 0-based position over the concatenation of the files. A bad
 record (malformed JSON, not an object, not UTF-8) is a `Record` with `value=None` and `error` set: never
 an exception, never dropped, it keeps its id. Locations: `path:LINE` (1-based) for line files,
-`path#row N` (0-based) for parquet and hub datasets, `path[N]` (0-based entry) for `.json`.
-A source that cannot be read at all (missing file, no file matching, unknown type) is a `UserError`.
-"""
+`path#row N` (0-based) for parquet and hub datasets, `path[N]` (0-based entry) for `.json`. A source
+that cannot be read at all (missing file, no file matching, unknown type) is a `UserError`."""
 
 from __future__ import annotations
 
