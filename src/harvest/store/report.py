@@ -165,7 +165,7 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
         return None
     lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
     last = json.loads(lines[-1]) if lines else {}
-    steps = _checkpoint_steps(storage.child("checkpoints"))
+    steps = step_parts.complete_steps(storage.child("checkpoints"))
     config = info.get("config") or {}
     table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
                         f"params) on {info.get('mesh', '?')}", title_justify="left")
@@ -177,13 +177,6 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
                   human_count(last["tokens_per_s"]) if last else "-", f"{last['mfu']:.1%}" if last else "-",
                   ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
     return table
-
-
-def _checkpoint_steps(checkpoints: Storage) -> list[int]:
-    """Local: orbax's step directories. Object storage: the complete steps (every process's marker there)."""
-    if checkpoints.is_local:
-        return sorted(int(n) for n in checkpoints.listdir() if n.isdigit())
-    return step_parts.complete_steps(checkpoints)
 
 
 def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None,

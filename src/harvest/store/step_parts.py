@@ -17,6 +17,7 @@ hashing every file as it streams in and checking it against its marker.
 from __future__ import annotations
 
 import hashlib
+import logging
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from pathlib import Path
 from harvest.errors import UserError
 from harvest.storage import Storage, StorageError, StorageNotFoundError, is_transient
 from harvest.store.records import CheckpointPart
+
+log = logging.getLogger(__name__)
 
 THREADS = 8  # files moved at once per process
 CHUNK = 4 * 2**20  # bytes read or written at a time per file
@@ -116,6 +119,10 @@ def complete(root: Storage) -> list[tuple[int, str]]:
     damage shows when it is fetched)."""
     found = []
     for step in reversed(steps_present(root)):
+        if marker_name(0) in root.listdir(str(step)):  # <step>/process_00000.json: no attempt level
+            log.warning("%s: a checkpoint written by a harvest before attempt ids, which this one does not read; "
+                        "resume with that harvest, or delete it to start over", root.url_of(str(step)))
+            continue
         for attempt in attempts(root, step):
             try:
                 whole = read_parts(root, step, attempt) is not None
