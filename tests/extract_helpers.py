@@ -6,6 +6,7 @@ test controls the mesh regardless of the suite's conftest defaults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -216,3 +217,19 @@ def another_vm() -> tuple[str, ...]:
         if shutil.which("unshare") and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
             return prefix
     pytest.skip("unshare cannot make a pid namespace here (needs root or user namespaces)")
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of process `pid` is stopped (SIGSTOP is delivered asynchronously: a thread may
+    finish a write after kill() returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)

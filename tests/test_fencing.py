@@ -143,8 +143,8 @@ def test_a_worker_stopped_past_the_ttl_is_fenced_out_and_commits_nothing(setup, 
             signal_group(a, signal.SIGCONT)
             signal_group(a, signal.SIGKILL)
             a.wait()
-    line = error_line(setup, f"a-{kind}.log")
-    assert "was taken over by worker 'b'" in line, line
+    line = error_line(setup, f"a-{kind}.log")  # its heartbeat found B's lease, or its commit in flight failed
+    assert "was taken over by worker 'b'" in line or "was committed by another writer first" in line, line
     assert committed(out) == after_b == setup.reference  # nothing of A's landed after B took over
     assert_verified(out, env)
 

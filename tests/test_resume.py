@@ -33,6 +33,7 @@ from extract_helpers import (
     snapshot,
     text_streams,
     wait_for_sidecars,
+    wait_stopped,
 )
 
 pytestmark = pytest.mark.slow
@@ -174,6 +175,7 @@ def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run
     try:
         wait_for_sidecars(worker_a, out, 2)
         os.kill(worker_a.pid, signal.SIGSTOP)  # alive, on this host: a second worker is refused at once
+        wait_stopped(worker_a.pid)
         refused_while_a_runs(run, out, args)
     finally:
         worker_a.kill()
