@@ -26,11 +26,11 @@ import time
 import greenlet
 import pytest
 
+import harvest.storage.storage as storage_module
 from harvest.errors import UserError
 from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
-from harvest.store import format as fmt
-from harvest.store.commit import ResumePoint, commit, read_chain, sidecar_name, sweep
+from harvest.store.commit import ResumePoint, commit, read_chain, sweep
 from harvest.store.lease import LeaseHeld, Leases
 from harvest.store.records import Sidecar
 
@@ -338,7 +338,7 @@ def schedule(seed: int) -> tuple[list[str], list]:
     clean finisher. Returns the invariants' problems and every writer's outcome."""
     sim = Sim(seed)
     rng = sim.rng
-    random.seed(seed)  # Storage's retry jitter draws from the module's generator
+    JITTER.seed(seed)
     store = Store(sim, faults=True)
     shards = rng.randint(1, 5)
     outcomes: list = []
@@ -363,9 +363,14 @@ def schedule(seed: int) -> tuple[list[str], list]:
     return check(store, shards), outcomes
 
 
+JITTER = random.Random()  # Storage's retry jitter, seeded per schedule
+
+
 @pytest.fixture(autouse=True)
-def _quiet():
-    """Storage logs every retry; millions of them would cost more than the schedules."""
+def _quiet(monkeypatch):
+    """Storage logs every retry; millions of them would cost more than the schedules. Its retry jitter comes
+    from JITTER, not the random module, which threads other tests left behind may draw from meanwhile."""
+    monkeypatch.setattr(storage_module, "random", JITTER)
     logging.disable(logging.CRITICAL)
     yield
     logging.disable(logging.NOTSET)
