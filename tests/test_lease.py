@@ -34,21 +34,6 @@ def _read(st: Storage, stream: int) -> LeaseRecord:
     return LeaseRecord.from_bytes(st.read_bytes(_rel(stream)))
 
 
-def test_compare_and_swap(root):
-    st = Storage(root)
-    assert st.read_versioned("k.json") is None
-    assert st.replace_if("k.json", b"x", "1") is False and not st.exists("k.json")
-    st.write_bytes("k.json", b"one")
-    first = st.read_versioned("k.json")
-    assert first.data == b"one"
-    assert st.replace_if("k.json", b"two", first.token) is True
-    assert st.read_bytes("k.json") == b"two"
-    assert st.replace_if("k.json", b"three", first.token) is False  # a stale version never swaps
-    assert st.read_bytes("k.json") == b"two"
-    second = st.read_versioned("k.json")
-    assert second.token != first.token and st.replace_if("k.json", b"three", second.token) is True
-
-
 class _CountingStorage(Storage):
     """Storage that counts compare-and-swaps lost to a concurrent writer (instrumentation, not a stand-in)."""
 

@@ -15,6 +15,7 @@ import typing
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+from harvest.storage import json_bytes
 from harvest.store import format as fmt
 
 R = TypeVar("R", bound="Record")
@@ -22,10 +23,6 @@ R = TypeVar("R", bound="Record")
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
 
 
 class Record:
