@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,12 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/forward.py: its model config, table printer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/forward.py: its model config; table.py, hf_loop.py
 import jax
 import jax.numpy as jnp
 import torch
 import transformers
-from forward import hf_config, show
+import hf_loop
+from forward import hf_config
+from table import show
 
 from harvest.config import ExtractConfig
 from harvest.data import arc as arclib
@@ -81,6 +84,9 @@ def parse_args() -> argparse.Namespace:
     r.add_argument("--hf-batch-size", type=int, default=None, help="HF samples per forward (default: --batch-size)")
     r.add_argument("--points", default="resid_post:3-5", help="capture points (default resid_post:3-5)")
     r.add_argument("--rounds", type=int, default=2, help="alternated end-to-end runs of each (default 2)")
+    r.add_argument("--process-texts", type=int, default=2000,
+                   help="short texts of the whole-process comparison (`harvest extract` vs `python bench/hf_loop.py` "
+                        "as commands, start-up included; default 2000, 0: skip it)")
     r.add_argument("--shard-size", default="128MB", help="harvest shard size (default 128MB)")
     r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
@@ -93,7 +99,7 @@ def parse_args() -> argparse.Namespace:
     m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
     args = p.parse_args()
-    args.workloads = args.workloads.split(",")
+    args.workloads = [w for w in args.workloads.split(",") if w]
     if not set(args.workloads) <= set(WORKLOADS):
         p.error(f"--workloads: known are {', '.join(WORKLOADS)}")
     args.hf_batch_size = args.hf_batch_size or args.batch_size
@@ -213,30 +219,7 @@ def run_harvest(args, model_dir: Path, data: Path, out: Path, seq: int) -> dict:
 # --- HF transformers ----------------------------------------------------------------------------------------
 
 def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int], seq: int) -> dict:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
-    t_loaded = time.perf_counter()
-    real = 0
-    with data.open() as f:
-        lines = f.readlines()
-    for b, at in enumerate(range(0, len(lines), args.hf_batch_size)):
-        texts = [json.loads(line)["text"] for line in lines[at : at + args.hf_batch_size]]
-        enc = tokenizer(texts, padding="longest", truncation=True, max_length=seq, return_tensors="pt")
-        with torch.no_grad():
-            hidden = model(**enc, output_hidden_states=True).hidden_states
-        keep = enc["attention_mask"].bool()
-        tensors = {f"resid_post.{layer}": hidden[layer + 1][keep].to(torch.bfloat16) for layer in layers}
-        tensors["input_ids"] = enc["input_ids"][keep]
-        tensors["lengths"] = keep.sum(1)
-        save_file(tensors, str(out / f"batch_{b:06d}.safetensors"))
-        real += int(keep.sum())
-    t_end = time.perf_counter()
-    return {"wall": t_end - t0, "pipeline": t_end - t_loaded, "tokens": real}
+    return hf_loop.extract(model_dir, data, out, layers, seq, args.hf_batch_size, args.attn)
 
 
 # --- forward only, interleaved ------------------------------------------------------------------------------
@@ -326,6 +309,46 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
             f"{h['packing']:.3f}", f"{achieved / 1e9:.1f} ({achieved / rate:.0%})"]
 
 
+# --- whole processes, start-up included ---------------------------------------------------------------------
+
+def run_processes(args, model_dir: Path, root: Path) -> list[list[str]]:
+    """`harvest extract` and `python bench/hf_loop.py` as a user runs them, timed from fork to exit: a short job
+    pays each one's start-up (imports, model load, harvest's compile). harvest runs first with an empty compile
+    cache (a first job), then with the cache that run left (every later job of the shape); rounds alternate."""
+    texts = workload_texts("short", args.process_texts)
+    data = write_data(texts, root / "process.jsonl")
+    layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
+    harvest_cmd = [sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
+                   "--out", str(root / "process-harvest"), "--points", args.points,
+                   "--max-seq-len", str(args.max_seq_len), "--batch-size", str(args.batch_size), "--long", "truncate",
+                   "--dtype", "bfloat16", "--compute-dtype", "float32", "--shard-size", args.shard_size, "--overwrite"]
+    hf_cmd = [sys.executable, str(Path(__file__).with_name("hf_loop.py")), str(model_dir), str(data),
+              str(root / "process-hf"), "--layers", ",".join(map(str, layers)), "--max-seq-len", str(args.max_seq_len),
+              "--batch-size", str(args.hf_batch_size), "--attn", args.attn]
+    cache = root / "process-cache"
+    env = {**os.environ, "HARVEST_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+    def timed(cmd: list[str]) -> float:
+        t = time.perf_counter()
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return time.perf_counter() - t
+
+    seconds: dict[str, list[float]] = {"first": [], "later": [], "hf": []}
+    print(f"whole process: {len(texts)} short texts", flush=True)
+    for k in range(args.rounds):
+        shutil.rmtree(cache, ignore_errors=True)
+        seconds["first"].append(timed(harvest_cmd))
+        seconds["hf"].append(timed(hf_cmd))
+        seconds["later"].append(timed(harvest_cmd))
+        print(f"  round {k + 1}: harvest {seconds['first'][-1]:.1f} s (compiles), {seconds['later'][-1]:.1f} s "
+              f"(compile cache), HF {seconds['hf'][-1]:.1f} s", flush=True)
+    hf = min(seconds["hf"])
+    return [[what, f"{min(seconds[key]):.1f}", f"{hf / min(seconds[key]):.2f}x"]
+            for what, key in (("harvest extract, first job (compiles)", "first"),
+                              ("harvest extract, later jobs (compile cache)", "later"),
+                              ("python bench/hf_loop.py", "hf"))]
+
+
 def main() -> None:
     args = parse_args()
     cores.expose_cores(False)  # as `harvest extract` does, before anything starts JAX's backend
@@ -342,6 +365,7 @@ def main() -> None:
         rate = matmul_rate()
         print(f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s", flush=True)
         rows = [run_workload(args, name, model_dir, root, rate) for name in args.workloads]
+        processes = run_processes(args, model_dir, root) if args.process_texts else []
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -367,6 +391,9 @@ def main() -> None:
     header = ["workload", "real tokens", "harvest e2e", "steady", "forward", "HF", "HF forward", "e2e/HF", "e2e/fwd",
               "steady/fwd", "packing", "GFLOP/s (of matmul)"]
     show("harvest extraction vs HF transformers (CPU), tokens/s", header, rows, footer)
+    if processes:
+        show(f"whole process, start-up included: {args.process_texts:,} short texts", ["command", "seconds", "HF / it"],
+             processes, "fastest of the alternated rounds; HF / it > 1: faster than the plain HF script")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import transformers
 
+from table import show
+
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points
 from harvest.model.transformer import forward
@@ -138,25 +140,6 @@ def compile_seconds(args: argparse.Namespace, layers: int) -> float:
         fn.lower(params, tok, tok, cfg=cfg, plan=plan).compile()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def show(title: str, header: list[str], rows: list[list[str]], footer: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        print(title)
-        for r in [header, *rows]:
-            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-        print(footer)
-        return
-    table = Table(title=title, caption=footer, caption_justify="left")
-    for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i < 3 else "right")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=max(100, Console().width)).print(table)
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/forward.py's table printer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/table.py
 import jax.numpy as jnp
-from forward import show
+from table import show
 
 from harvest.config import parse_size
 from harvest.data import prompts, streams

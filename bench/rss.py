@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/extract.py: model and data; forward.py: table
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/extract.py: model and data; table.py: its printer
 from extract import build_model, workload_texts, write_data
-from forward import show
+from table import show
 
 
 def parse_args() -> argparse.Namespace:

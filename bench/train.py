@@ -26,7 +26,8 @@ from harvest.model.init import init_params
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.train.config import TrainConfig
 from harvest.train.loss import loss_sum
-from harvest.train.metrics import peak_flops_per_device, train_flops_per_token
+from harvest.runtime.chips import peak_flops_per_device
+from harvest.model.flops import train_flops_per_token
 from harvest.train.optimizer import learning_rate, make_optimizer
 from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
 import time
 from importlib.metadata import version
 from typing import Any
@@ -34,18 +32,13 @@ from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.config import TrainConfig
 from harvest.train.data import BatchFeeder, Groups, Position, row_source
-from harvest.train.metrics import peak_flops_per_device, train_flops_per_token
+from harvest.runtime.chips import peak_flops_per_device
+from harvest.model.flops import train_flops_per_token
 from harvest.train.optimizer import learning_rate, make_optimizer
+from harvest.train.runlog import HOLD_AT, RUN_JSON, MetricsFile, SigtermFlag, check_run
 from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
 
-RUN_JSON = "run.json"
-METRICS = "metrics.jsonl"
-# Tests: after this step the loop waits for SIGTERM, so a test's signal lands short of --steps by construction.
-HOLD_AT = "HARVEST_TRAIN_HOLD_AT_STEP"
-
-
-class RunMismatch(UserError):
-    pass
+__all__ = ["HOLD_AT", "model_config", "run_train"]
 
 
 def model_config(cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Any]]:
@@ -83,7 +76,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
                       "the training settings")
     out = Storage(cfg.out)
-    _check_run(out, info)  # the last refusal: nothing is written before it
+    check_run(out, info, "a training run")  # the last refusal: nothing is written before it
 
     optimizer = make_optimizer(cfg)
     params_shape = _params_shape(model, cfg.param_dtype)
@@ -121,18 +114,14 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         checkpoints.save(step, state, data_state, force=True)
 
     start = time.monotonic()
-    hold_at = int(os.environ.get(HOLD_AT, -1))
-    with _SigtermFlag() as sigterm, distributed.peers_watched():
+    with SigtermFlag() as sigterm, distributed.peers_watched():
         step = int(state["step"])
         while step < cfg.steps:
             tokens, segments = feeder.next_batch()
             state, metrics = step_fn(state, place(tokens), place(segments))
             step += 1
             log.step(step, metrics)
-            if step == hold_at:
-                print(f"holding at step {step} until SIGTERM ({HOLD_AT})", flush=True)
-                while not sigterm.raised:
-                    time.sleep(0.02)
+            sigterm.hold(step)
             preempted = distributed.any_true(sigterm.raised)
             if preempted or step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save(step)
@@ -180,32 +169,13 @@ def _all_positions(mine: dict[int, Position], count: int) -> list[Position]:
     return [Position.from_json(row) for row in table]
 
 
-def _check_run(out: Storage, info: dict[str, Any]) -> None:
-    """Refuse to continue a run made with other model, data or batch settings, showing the difference."""
-    if not out.exists(RUN_JSON):
-        return
-    old = out.read_json(RUN_JSON)
-    if old.get("kind") != "train":
-        raise RunMismatch(f"{out.url} holds something other than a training run; use another --out")
-    before, now = old.get("run_settings") or {}, info["run_settings"]
-    differ = [f"{k}: {before.get(k)!r} -> {now[k]!r}" for k in now if before.get(k) != now[k]]
-    if differ:
-        raise RunMismatch(f"{out.url} holds a training run made with other settings ({'; '.join(differ)}); "
-                          "use another --out")
-
-
 class MetricsLog:
     """Every `log_every` steps: loss, grad norm, lr, tokens/s (real tokens, padding not counted) and MFU,
     as a line on the terminal and a record in RUN/metrics.jsonl (process 0; records past a resumed step
     are dropped)."""
 
     def __init__(self, out: Storage, step: int, model: ModelConfig, cfg: TrainConfig, compute_dtype: str):
-        self.out = out
-        self.writer = jax.process_index() == 0
-        self.records = []
-        if self.writer and out.exists(METRICS):
-            lines = out.read_bytes(METRICS).decode().splitlines()
-            self.records = [r for r in map(json.loads, lines) if r["step"] <= step]
+        self.file = MetricsFile(out, step)
         self.flops_per_step = train_flops_per_token(model, cfg.seq_len) * cfg.batch_size * cfg.seq_len
         self.peak = peak_flops_per_device(compute_dtype) * jax.device_count()
         self.cfg = cfg
@@ -224,24 +194,8 @@ class MetricsLog:
                      "tokens_per_s": float(self._tokens) / elapsed,
                      "mfu": self.flops_per_step * (step - first) / elapsed / self.peak, "time": time.time()}
         self._since, self._tokens = (step, time.monotonic()), 0
-        if self.writer:
-            self.records.append(self.last)
-            self.out.write_bytes(METRICS, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self.file.append(self.last)
+        if self.file.writer:
             print(f"step {step}/{self.cfg.steps}  loss {values['loss']:.4f}  grad_norm {values['grad_norm']:.3g}  "
                   f"lr {values['lr']:.3g}  {self.last['tokens_per_s']:,.0f} tokens/s  mfu {self.last['mfu']:.1%}",
                   flush=True)
-
-
-class _SigtermFlag:
-    """SIGTERM (a preemption notice) only raises a flag; the loop saves and stops at the next step."""
-
-    def __enter__(self):
-        self.raised = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.raised = True
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self._previous)

@@ -1,0 +1,22 @@
+"""The benches' one way to print a table: rich where installed, plain columns otherwise."""
+
+from __future__ import annotations
+
+
+def show(title: str, header: list[str], rows: list[list[str]], footer: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        print(title)
+        for r in [header, *rows]:
+            print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+        print(footer)
+        return
+    table = Table(title=title, caption=footer, caption_justify="left")
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i < 3 else "right")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=max(100, Console().width)).print(table)
