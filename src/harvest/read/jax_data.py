@@ -29,7 +29,7 @@ from harvest.store.snapshot import Snapshot
 
 
 def global_batches(storage: Storage, view: Snapshot, batch_size: int, names: list[str], mesh: Any,
-                   data_axes: tuple[str, ...], settings: dict[str, Any]) -> Iterator[dict[str, jax.Array]]:
+                   data_axes: tuple[str, ...], settings: dict[str, Any]) -> GlobalBatches:
     """[batch_size, d] arrays sharded by rows over `data_axes` (every batch full: shapes stay fixed)."""
     unknown = [a for a in data_axes if a not in mesh.shape]
     if unknown:
@@ -47,16 +47,39 @@ def global_batches(storage: Storage, view: Snapshot, batch_size: int, names: lis
         settings = {**settings, "snapshot": _agreed_counts(view)}
     reader = TokenBatches(storage, view, block_rows * len(mine), names, rank=rank, world=world, drop_last=True,
                           **settings)
-    where = {block: k for k, block in enumerate(mine)}
+    return GlobalBatches(reader, sharding, batch_size, block_rows, mine)
 
-    def rows_for(local: np.ndarray, index: tuple) -> np.ndarray:
-        at = where[(index[0].start or 0) // block_rows] * block_rows
-        return local[(slice(at, at + block_rows), *index[1:])]
 
-    for batch in reader:
-        yield {k: jax.make_array_from_callback((batch_size, *v.shape[1:]), sharding,
-                                               lambda index, v=v: rows_for(v, index))
-               for k, v in batch.items()}
+class GlobalBatches:
+    """The iterator global_batches returns; `state_dict()` after any batch and `load_state_dict()` before the
+    first are this process's reader's (harvest.read.batches.TokenBatches): a trainer's checkpoint holds them."""
+
+    def __init__(self, reader: TokenBatches, sharding: NamedSharding, batch_size: int, block_rows: int,
+                 mine: list[int]):
+        self.reader, self._sharding, self._batch_size, self._block_rows = reader, sharding, batch_size, block_rows
+        self._where = {block: k for k, block in enumerate(mine)}
+        self._batches: Iterator[dict[str, np.ndarray]] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.reader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reader.load_state_dict(state)
+
+    def __iter__(self) -> GlobalBatches:
+        return self
+
+    def __next__(self) -> dict[str, jax.Array]:
+        if self._batches is None:
+            self._batches = iter(self.reader)
+        batch = next(self._batches)
+        return {k: jax.make_array_from_callback((self._batch_size, *v.shape[1:]), self._sharding,
+                                                lambda index, v=v: self._rows_for(v, index))
+                for k, v in batch.items()}
+
+    def _rows_for(self, local: np.ndarray, index: tuple) -> np.ndarray:
+        at = self._where[(index[0].start or 0) // self._block_rows] * self._block_rows
+        return local[(slice(at, at + self._block_rows), *index[1:])]
 
 
 def _my_blocks(sharding: NamedSharding, batch_size: int, block_rows: int, mesh: Any,

@@ -1,0 +1,118 @@
+"""SaeConfig: every setting of `harvest sae train`, from a YAML file and flags (flags win), validated with
+one-line errors (the machinery of harvest.config, as TrainConfig uses it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from harvest.config import ConfigError, check_settings, setting
+from harvest.train.config import TrainConfig
+
+_TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
+ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
+
+
+def _like_train(name: str, default: Any, help: str | None = None):
+    meta = _TRAIN[name]
+    return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
+
+
+def _names(value: str | list | tuple | None) -> tuple[str, ...]:
+    """A list setting from YAML (a list) or a flag (comma-separated)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(str(v).strip() for v in items if str(v).strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class SaeConfig:
+    run: str = setting("harvest run URL(s) to train on, comma-separated (every batch takes equal parts of each)")
+    tensors: str = setting("tensor(s) of the run, comma-separated, e.g. resid_post.12; one SAE each, one pass")
+    out: str = setting("the SAE run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
+    architecture: str = setting("activation and sparsity penalty", "topk", choices=ARCHITECTURES)
+    latents: int | None = setting("latents per SAE (default: --expansion x the tensor's width)", None, minimum=1)
+    expansion: int = setting("latents as a multiple of the width, when --latents is not given", 16, minimum=1)
+    k: int = setting("active latents per token (topk, batchtopk: the batch's mean)", 32, minimum=1)
+    aux_k: int | None = setting("dead latents the AuxK loss uses (default: half the width)", None, minimum=1)
+    aux_coeff: float = setting("weight of the AuxK loss on dead latents (0 = off, as sparsify's default)", 0.0,
+                               minimum=0)
+    l1_coeff: float = setting("relu: weight of the L1 penalty (times decoder norms); jumprelu: of the L0 penalty",
+                              5.0, minimum=0)
+    jumprelu_bandwidth: float = setting("jumprelu: width of the straight-through estimator's window", 0.001,
+                                        minimum=0)
+    jumprelu_init_threshold: float = setting("jumprelu: initial threshold", 0.001, minimum=0)
+    dead_tokens: int = setting("a latent is dead after this many tokens without firing", 10_000_000, minimum=1)
+    lr: float | None = setting("Adam's peak learning rate (default: 2e-4 / sqrt(latents / 2^14), as sparsify)",
+                               None, minimum=0)
+    warmup: int = setting("linear warmup steps (from 0, as sparsify's adam)", 1000, minimum=0)
+    schedule: str = setting("learning rate after warmup (linear: to 0 at the budget, as sparsify)", "linear",
+                            choices=("linear", "cosine", "constant"))
+    batch_tokens: int = setting("tokens per optimizer step (global)", 4096, minimum=1)
+    tokens: int = setting("the budget: train until this many tokens", 100_000_000, minimum=0)
+    normalize: str = setting("inputs as stored, or scaled to E||x||^2 = width with the run's own stats",
+                             "none", choices=("none", "run-stats"))
+    b_dec_init: str = setting("decoder bias at the start: the first batch's mean or geometric median", "mean",
+                              choices=("mean", "geometric-median", "zeros"))
+    holdout_streams: int = setting("streams of the run left out of training, chosen by --seed, for `sae eval`", 0,
+                                   minimum=0)
+    mesh: str | None = setting("data=..,fsdp=..,model=.. : latents over model, the batch over data x fsdp "
+                               "(default: every device on data)", None)
+    param_dtype: str = _like_train("param_dtype", "float32")
+    compute_dtype: str | None = _like_train("compute_dtype", None)
+    checkpoint_every: int = _like_train("checkpoint_every", 1000)
+    keep: int = _like_train("keep", 3)
+    seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
+    log_every: int = _like_train("log_every", 100)
+    eval_every: int = setting("FVU of held-out batches every N steps (needs --holdout-streams; 0 = off)", 0,
+                              minimum=0)
+    coordinator: str | None = _like_train("coordinator", None)
+    num_processes: int | None = _like_train("num_processes", None)
+    process_id: int | None = _like_train("process_id", None)
+    peer_timeout: int = _like_train("peer_timeout", 60)
+    no_compile_cache: bool = _like_train("no_compile_cache", False)
+
+    # Settings a resumed run must keep: they decide which data and which SAEs the checkpoint holds.
+    RUN_FIELDS = ("run", "tensors", "architecture", "latents", "expansion", "k", "batch_tokens", "normalize",
+                  "holdout_streams", "mesh", "param_dtype", "seed")
+    LOCAL_FIELDS = ("process_id",)
+
+    @property
+    def runs(self) -> tuple[str, ...]:
+        return _names(self.run)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return _names(self.tensors)
+
+    def num_latents(self, width: int) -> int:
+        return self.latents or self.expansion * width
+
+    def learning_rate(self, latents: int) -> float:
+        return self.lr if self.lr is not None else 2e-4 / math.sqrt(latents / 2**14)
+
+    @property
+    def steps(self) -> int:
+        return self.tokens // self.batch_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def run_settings(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.RUN_FIELDS}
+
+    def shared_settings(self) -> dict[str, Any]:
+        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
+
+    def validate(self) -> SaeConfig:
+        check_settings(self)
+        if not self.runs:
+            raise ConfigError("--run: give at least one harvest run URL")
+        if not self.tensor_names:
+            raise ConfigError("--tensors: give at least one tensor of the run, e.g. resid_post.12")
+        if self.batch_tokens % len(self.runs):
+            raise ConfigError(f"--batch-tokens {self.batch_tokens} does not split into equal parts of the "
+                              f"{len(self.runs)} runs")
+        return self

@@ -1,0 +1,113 @@
+"""An SAE's data: the runs it reads, checked before anything is written, and their rows as global arrays.
+
+Each step's batch takes equal parts of every run (one harvest reader per run, seeded, shuffled, rows over
+the mesh's data axes). A run's held-out streams (chosen by the seed) are never read by training; `sae eval`
+reads them. Every reader's position goes into the checkpoint: each process's own, gathered so that every
+process writes the same data file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from harvest.errors import UserError
+from harvest.read.jax_data import GlobalBatches
+from harvest.read.run import Run, open_run
+from harvest.sae.step import DATA_AXES
+
+
+class SaeInputError(UserError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    runs: list[Run]
+    widths: dict[str, int]  # tensor -> width, the same in every run
+    holdout: list[list[int]]  # per run: streams left out of training
+
+    def train_streams(self, r: int) -> list[int]:
+        return [s for s in self.runs[r].streams if s not in self.holdout[r]]
+
+    def mean_square_norm(self, tensor: str) -> float:
+        """E ||x||^2 over every committed token of every run (their merged stats)."""
+        total = count = 0.0
+        for run in self.runs:
+            stats = run.stats(tensor)
+            total += float(np.sum(stats.m2 + stats.count * stats.mean.astype(np.float64) ** 2))
+            count += stats.count
+        return total / max(count, 1)
+
+
+def open_inputs(urls: tuple[str, ...], tensors: tuple[str, ...], holdout_streams: int, seed: int) -> Inputs:
+    """Open the runs; refuse (one line) a tensor one of them lacks, a run with no committed shard, widths
+    that differ between runs, or held-out streams that leave nothing to train on."""
+    runs = [open_run(url) for url in urls]
+    widths: dict[str, int] = {}
+    for run in runs:
+        missing = [t for t in tensors if t not in run.tensors]
+        if missing:
+            raise SaeInputError(f"{run.url} holds no {', '.join(missing)}; it holds {', '.join(run.tensors)}")
+        if not run.streams or run.num_tokens == 0:
+            raise SaeInputError(f"{run.url} has no committed shards yet: nothing to train on")
+        for t in tensors:
+            if widths.setdefault(t, run.tensors[t]) != run.tensors[t]:
+                raise SaeInputError(f"{t} is {widths[t]} wide in {runs[0].url} but {run.tensors[t]} in {run.url}: "
+                                    "one SAE needs runs of the same width")
+    holdout = []
+    for run in runs:
+        if holdout_streams >= len(run.streams):
+            raise SaeInputError(f"--holdout-streams {holdout_streams}: {run.url} has {len(run.streams)} streams "
+                                "with committed shards; keep at least one for training")
+        picked = np.random.default_rng(seed).choice(run.streams, holdout_streams, replace=False)
+        holdout.append(sorted(int(s) for s in picked))
+    return Inputs(runs, widths, holdout)
+
+
+def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
+    """Rows per run per step; refuses a batch whose parts do not divide over the data slots."""
+    slots = math.prod(mesh.shape[a] for a in DATA_AXES)
+    part = batch_tokens // runs
+    if part % slots:
+        raise SaeInputError(f"--batch-tokens {batch_tokens}" + (f" / {runs} runs = {part}" if runs > 1 else "")
+                            + f" rows is not a multiple of the mesh's {slots} data slots (data x fsdp); "
+                            f"use a multiple of {slots * runs}")
+    return part
+
+
+def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
+            streams: list[list[int]] | None = None, epochs: int | None = None) -> list[GlobalBatches]:
+    """One reader per run, `part` rows a step each, of its training streams (or `streams`)."""
+    return [run.jax_batches(part, tensors, mesh=mesh, data_axes=DATA_AXES, seed=seed, epochs=epochs,
+                            dtype="float32",
+                            streams=inputs.train_streams(r) if streams is None else streams[r])
+            for r, run in enumerate(inputs.runs)]
+
+
+def next_batch(batches: list[GlobalBatches], tensors: list[str]) -> dict[str, jax.Array]:
+    """The step's rows of every tensor: the runs' parts one after another."""
+    parts = [next(b) for b in batches]
+    if len(parts) == 1:
+        return {t: parts[0][t] for t in tensors}
+    return {t: jnp.concatenate([p[t] for p in parts]) for t in tensors}
+
+
+def gather_states(batches: list[GlobalBatches]) -> list[list[dict]]:
+    """Every process's reader states ([process][run]), on every process (a collective)."""
+    mine = json.dumps([b.state_dict() for b in batches]).encode()
+    if jax.process_count() == 1:
+        return [json.loads(mine)]
+    from jax.experimental import multihost_utils
+
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([len(mine)], np.int64))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(mine)] = np.frombuffer(mine, np.uint8)
+    table = np.asarray(multihost_utils.process_allgather(padded))
+    return [json.loads(bytes(row[:n])) for row, n in zip(table, lengths)]

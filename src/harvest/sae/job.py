@@ -1,0 +1,160 @@
+"""`harvest sae train`: SAEs on a run's activations, on the training runtime, resumable from its checkpoints.
+
+As `harvest train`: everything a user can get wrong is refused before the first byte is written, every
+process agrees on the settings, the newest intact checkpoint (params, Adam, the readers' positions, the
+dead-latent counters) is restored, and the loop runs to the token budget, logging every `log_every`
+steps and saving every `checkpoint_every`; SIGTERM saves at once and stops (exit 75 short of the budget).
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import version
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harvest.config import stable_hash
+from harvest.model import default_compute_dtype
+from harvest.runtime import cache, distributed
+from harvest.runtime.mesh import describe, make_mesh
+from harvest.sae import data as D
+from harvest.sae import model as M
+from harvest.sae.config import SaeConfig
+from harvest.sae.step import fresh_state, init_state, make_optimizer, make_step, state_shardings
+from harvest.storage import Storage
+from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
+from harvest.train.runlog import RUN_JSON, MetricsFile, SigtermFlag, check_run
+
+KIND = "sae"
+
+
+def specs_of(cfg: SaeConfig, widths: dict[str, int]) -> dict[str, M.Spec]:
+    specs = {}
+    for name, width in widths.items():
+        latents = cfg.num_latents(width)
+        if cfg.architecture in ("topk", "batchtopk") and cfg.k >= latents:
+            raise D.SaeInputError(f"--k {cfg.k} must be smaller than the {latents} latents of the {name} SAE")
+        specs[name] = M.Spec(cfg.architecture, width, latents, cfg.k, min(cfg.aux_k or max(width // 2, 1), latents),
+                             cfg.aux_coeff, cfg.l1_coeff, cfg.jumprelu_bandwidth)
+    return specs
+
+
+def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
+    """Train (or resume) to cfg.tokens; returns the summary printed at the end."""
+    distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
+    cache.keep_compiled(not cfg.no_compile_cache)
+    mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
+    tensors = list(cfg.tensor_names)
+    inputs = D.open_inputs(cfg.runs, cfg.tensor_names, cfg.holdout_streams, cfg.seed)
+    specs = specs_of(cfg, inputs.widths)
+    part = D.check_batch(cfg.batch_tokens, len(inputs.runs), mesh)
+    scales = {t: float(np.sqrt(w / max(inputs.mean_square_norm(t), 1e-12))) if cfg.normalize == "run-stats" else 1.0
+              for t, w in inputs.widths.items()}
+    compute_dtype = cfg.compute_dtype or default_compute_dtype()
+    info = {"kind": KIND, "harvest_version": version("harvest"), "config": cfg.to_dict(),
+            "run_settings": {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
+            "saes": {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout}
+                     for t, s in specs.items()},
+            "mesh": describe(mesh), "compute_dtype": compute_dtype, "config_sha256": stable_hash(cfg.shared_settings())}
+    distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
+                      "the SAE training settings")
+    out = Storage(cfg.out)
+    check_run(out, info, "an SAE run")  # the last refusal: nothing is written before it
+
+    steps = cfg.steps
+    optimizers = {t: make_optimizer(cfg.learning_rate(s.latents), cfg.warmup, steps, cfg.schedule)
+                  for t, s in specs.items()}
+    params_shape = {t: jax.eval_shape(lambda s=s: M.init_params(jax.random.key(0), s, jnp.zeros(s.width)))
+                    for t, s in specs.items()}
+    shardings = state_shardings(specs, optimizers, mesh, params_shape)
+    state_shape = jax.eval_shape(lambda p: fresh_state(p, optimizers, specs), params_shape)
+    checkpoints = Checkpoints(out.url_of(CHECKPOINTS), every=cfg.checkpoint_every, keep=cfg.keep)
+    restored = checkpoints.restore_latest(abstract(state_shape, shardings))
+    batches = D.readers(inputs, tensors, part, mesh, cfg.seed)
+    if restored is None:
+        state, saved_at = None, None
+    else:
+        saved_at, state, saved = restored
+        for reader, position in zip(batches, saved["readers"][jax.process_index()]):
+            reader.load_state_dict(position)
+    if jax.process_index() == 0 and not out.exists(RUN_JSON):
+        out.write_json(RUN_JSON, info)
+
+    dense = mesh.shape["model"] > 1
+    step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales, dense=dense,
+                        compute_dtype=compute_dtype)
+    log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg)
+
+    def save(at: int) -> None:
+        checkpoints.save(at, state, {"readers": D.gather_states(batches)}, force=True)
+
+    start = time.monotonic()
+    with SigtermFlag() as sigterm, distributed.peers_watched():
+        step = 0 if state is None else int(state["step"])
+        while step < steps:
+            batch = D.next_batch(batches, tensors)
+            if state is None:
+                state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            log.step(step, metrics)
+            sigterm.hold(step)
+            preempted = distributed.any_true(sigterm.raised)
+            if preempted or step % cfg.checkpoint_every == 0 or step == steps:
+                save(step)
+                saved_at = step
+            if preempted:
+                break
+        if state is not None and saved_at != step:
+            save(step)
+        checkpoints.wait()
+        checkpoints.close()
+        distributed.barrier("harvest-sae-done")
+    return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
+            **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction")}, "seconds": round(time.monotonic() - start, 1)}
+
+
+def _initial_state(cfg: SaeConfig, specs: dict[str, M.Spec], optimizers: dict, shardings: dict,
+                   batch: dict[str, jax.Array], scales: dict[str, float]) -> dict:
+    """The init of every SAE (seeded), its decoder bias from the first batch (as sparsify does)."""
+    centre = {"mean": lambda x: jnp.mean(x, axis=0), "geometric-median": M.geometric_median,
+              "zeros": lambda x: jnp.zeros(x.shape[1], jnp.float32)}[cfg.b_dec_init]
+
+    def make(batch):
+        return {n: M.init_params(jax.random.fold_in(jax.random.key(cfg.seed), i), s,
+                                 centre(batch[n].astype(jnp.float32) * scales[n]), cfg.jumprelu_init_threshold)
+                for i, (n, s) in enumerate(specs.items())}
+
+    params = jax.jit(make, out_shardings=shardings["params"])(batch)
+    return init_state(params, optimizers, specs, shardings)
+
+
+class SaeMetrics:
+    """Every `log_every` steps: per tensor fvu, l0, dead_fraction, aux_loss (their mean over tensors at the
+    top level) and tokens/s, as a line on the terminal and a record in RUN/metrics.jsonl."""
+
+    def __init__(self, out: Storage, step: int, cfg: SaeConfig):
+        self.file = MetricsFile(out, step)
+        self.cfg = cfg
+        self._since = (step, time.monotonic())
+        self.last: dict[str, Any] = {}
+
+    def step(self, step: int, metrics: dict) -> None:
+        if step % self.cfg.log_every and step != self.cfg.steps:
+            return
+        values = {t: {k: float(v) for k, v in m.items()} for t, m in jax.device_get(metrics).items()}
+        first, then = self._since
+        elapsed = max(time.monotonic() - then, 1e-9)
+        mean = {k: float(np.mean([m[k] for m in values.values()])) for k in ("fvu", "l0", "dead_fraction", "aux_loss")}
+        self.last = {"step": step, "tokens": step * self.cfg.batch_tokens, **mean,
+                     "tokens_per_s": (step - first) * self.cfg.batch_tokens / elapsed, "time": time.time(),
+                     "tensors": values}
+        self._since = (step, time.monotonic())
+        self.file.append(self.last)
+        if self.file.writer:
+            print(f"step {step}/{self.cfg.steps}  fvu {mean['fvu']:.4f}  l0 {mean['l0']:.1f}  "
+                  f"dead {mean['dead_fraction']:.1%}  aux {mean['aux_loss']:.3g}  "
+                  f"{self.last['tokens_per_s']:,.0f} tokens/s", flush=True)

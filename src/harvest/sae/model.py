@@ -1,0 +1,204 @@
+"""Sparse autoencoders as pure functions over a params dict: init, encode, decode, the losses.
+
+params: W_enc [d, L], b_enc [L], W_dec [L, d], b_dec [d] (SAELens's layout), and for jumprelu log_threshold
+[L]. encode(x) = act((x - b_dec) @ W_enc + b_enc), decode(a) = a @ W_dec + b_dec.
+
+topk keeps each token's k largest ReLU pre-activations (sparsify's recipe: decoder rows at unit norm, the
+gradient's part along them removed, loss = FVU + aux_coeff x AuxK on dead latents); batchtopk keeps the
+batch's B x k largest and learns the threshold used at inference; jumprelu thresholds each latent at
+exp(log_threshold) with straight-through gradients and an L0 penalty; relu has an L1 penalty weighted by
+the decoder norms (SAELens's standard SAE).
+
+Latents are "sparse" (values and indices, [B, k]) where they can be: a topk SAE decodes by gathering k
+decoder rows per token (B k d work, not B L d). With latents sharded over a mesh axis, `dense=True`
+decodes by a masked matmul instead, which partitions along the latents.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPARSE = ("topk",)
+UNIT_DECODER = ("topk", "batchtopk")
+
+
+class Spec(NamedTuple):
+    """What the functions need to know about one SAE (static under jit)."""
+
+    architecture: str
+    width: int
+    latents: int
+    k: int
+    aux_k: int
+    aux_coeff: float = 0.0
+    l1_coeff: float = 0.0
+    bandwidth: float = 0.001
+
+
+def init_params(key: jax.Array, spec: Spec, b_dec: jax.Array, init_threshold: float = 0.001) -> dict:
+    """sparsify's init: encoder rows uniform in +-1/sqrt(d) (torch's Linear), decoder = encoder rows at unit
+    norm, zero encoder bias; b_dec as given (the first batch's mean or median)."""
+    bound = 1 / np.sqrt(spec.width)
+    rows = jax.random.uniform(key, (spec.latents, spec.width), jnp.float32, -bound, bound)
+    params = {"W_enc": rows.T, "b_enc": jnp.zeros(spec.latents, jnp.float32), "W_dec": unit_rows(rows),
+              "b_dec": b_dec.astype(jnp.float32)}
+    if spec.architecture == "jumprelu":
+        params["log_threshold"] = jnp.full(spec.latents, np.log(init_threshold), jnp.float32)
+    return params
+
+
+def unit_rows(w: jax.Array) -> jax.Array:
+    return w / (jnp.linalg.norm(w, axis=-1, keepdims=True) + jnp.finfo(w.dtype).eps)
+
+
+def without_parallel_part(grad: jax.Array, w: jax.Array) -> jax.Array:
+    """The decoder gradient less its component along each (unit) decoder row."""
+    return grad - jnp.sum(grad * w, axis=-1, keepdims=True) * w
+
+
+def pre_activations(params: dict, x: jax.Array) -> jax.Array:
+    return (x - params["b_dec"]) @ params["W_enc"] + params["b_enc"]
+
+
+@jax.custom_jvp
+def _step(x, threshold, bandwidth):
+    return (x > threshold).astype(x.dtype)
+
+
+@_step.defjvp
+def _step_jvp(primals, tangents):
+    """Heaviside(x - t): zero gradient in x, a rectangle-kernel estimate in t (Rajamanoharan et al. 2024)."""
+    x, threshold, bandwidth = primals
+    _, t_dot, _ = tangents
+    inside = (jnp.abs(x - threshold) < bandwidth / 2).astype(x.dtype)
+    return _step(x, threshold, bandwidth), -inside / bandwidth * t_dot
+
+
+@jax.custom_jvp
+def _jumprelu(x, threshold, bandwidth):
+    return x * (x > threshold).astype(x.dtype)
+
+
+@_jumprelu.defjvp
+def _jumprelu_jvp(primals, tangents):
+    x, threshold, bandwidth = primals
+    x_dot, t_dot, _ = tangents
+    gate = (x > threshold).astype(x.dtype)
+    inside = (jnp.abs(x - threshold) < bandwidth / 2).astype(x.dtype)
+    return _jumprelu(x, threshold, bandwidth), gate * x_dot - threshold * inside / bandwidth * t_dot
+
+
+def encode_sparse(params: dict, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(values [B, k], indices [B, k], ReLU pre-activations [B, L]) of a topk SAE."""
+    pre = jax.nn.relu(pre_activations(params, x))
+    values, indices = jax.lax.top_k(pre, k)
+    return values, indices, pre
+
+
+def encode(params: dict, x: jax.Array, spec: Spec, threshold: jax.Array | None = None) -> jax.Array:
+    """Dense latents [B, L]. batchtopk: with `threshold` (inference), the learned one; without, the batch's."""
+    pre = pre_activations(params, x)
+    if spec.architecture == "topk":
+        pre = jax.nn.relu(pre)
+        kth = jax.lax.top_k(pre, spec.k)[0][:, -1:]
+        return jnp.where(pre >= kth, pre, 0.0)
+    if spec.architecture == "batchtopk":
+        pre = jax.nn.relu(pre)
+        if threshold is None:
+            threshold = jax.lax.top_k(pre.reshape(-1), spec.k * pre.shape[0])[0][-1]
+            return jnp.where(pre >= threshold, pre, 0.0)
+        return jnp.where(pre > threshold, pre, 0.0)
+    if spec.architecture == "jumprelu":
+        return _jumprelu(pre, jnp.exp(params["log_threshold"]), spec.bandwidth)
+    return jax.nn.relu(pre)
+
+
+def decode(params: dict, latents: jax.Array) -> jax.Array:
+    return latents @ params["W_dec"] + params["b_dec"]
+
+
+def decode_sparse(params: dict, values: jax.Array, indices: jax.Array, bias: bool = True) -> jax.Array:
+    out = jnp.einsum("bk,bkd->bd", values, params["W_dec"][indices])
+    return out + params["b_dec"] if bias else out
+
+
+def geometric_median(x: jax.Array, iterations: int = 50) -> jax.Array:
+    """The point minimizing the summed distances to x's rows (Weiszfeld's iterations from the mean)."""
+
+    def update(_, point):
+        weights = 1 / jnp.maximum(jnp.linalg.norm(x - point, axis=-1), 1e-8)
+        return weights @ x / jnp.sum(weights)
+
+    return jax.lax.fori_loop(0, iterations, update, jnp.mean(x, axis=0))
+
+
+def total_variance(x: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.square(x - jnp.mean(x, axis=0)))
+
+
+def fvu(x: jax.Array, reconstruction: jax.Array) -> jax.Array:
+    """Fraction of variance unexplained: ||x - x_hat||^2 / ||x - mean(x)||^2 over the batch."""
+    return jnp.sum(jnp.square(x - reconstruction)) / total_variance(x)
+
+
+def auxk_loss(params: dict, pre: jax.Array, residual: jax.Array, dead: jax.Array, aux_k: int,
+              variance: jax.Array) -> jax.Array:
+    """The top `aux_k` dead latents' reconstruction of the residual the live ones left (OpenAI's AuxK), scaled
+    down while fewer than aux_k latents are dead; 0 when none is."""
+    num_dead = jnp.sum(dead)
+    values, indices = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), aux_k)
+    values = jnp.where(jnp.isfinite(values), values, 0.0)
+    estimate = decode_sparse(params, values, indices, bias=False)
+    scale = jnp.minimum(num_dead / aux_k, 1.0)
+    return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance
+
+
+@partial(jax.jit, static_argnames=("spec", "dense"))
+def reconstruct(params: dict, x: jax.Array, spec: Spec, dense: bool = False,
+                threshold: jax.Array | None = None) -> jax.Array:
+    """x's reconstruction by the SAE (inference: batchtopk uses its learned threshold)."""
+    if spec.architecture in SPARSE and not dense:
+        values, indices, _ = encode_sparse(params, x, spec.k)
+        return decode_sparse(params, values, indices)
+    return decode(params, encode(params, x, spec, threshold))
+
+
+def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, dense: bool) -> tuple[jax.Array, dict]:
+    """(the loss to minimize, metrics: fvu, l0, aux_loss, and for batchtopk the batch's smallest firing value)."""
+    variance = total_variance(x)
+    aux = jnp.zeros((), jnp.float32)
+    extra = {}
+    if spec.architecture in SPARSE and not dense:
+        values, indices, pre = encode_sparse(params, x, spec.k)
+        out = decode_sparse(params, values, indices)
+        fired = jnp.zeros(spec.latents, bool).at[indices.reshape(-1)].set(True)  # as sparsify counts
+        l0 = jnp.mean(jnp.sum(values > 0, axis=-1).astype(jnp.float32))
+    else:
+        pre = pre_activations(params, x)
+        latents = encode(params, x, spec)
+        out = decode(params, latents)
+        fired = jnp.any(latents > 0, axis=0)
+        l0 = jnp.mean(jnp.sum(latents > 0, axis=-1).astype(jnp.float32))
+        pre = jax.nn.relu(pre) if spec.architecture in UNIT_DECODER else pre
+        if spec.architecture == "batchtopk":
+            extra["min_active"] = jnp.min(jnp.where(latents > 0, latents, jnp.inf))
+    unexplained = fvu(x, out)
+    if spec.architecture in UNIT_DECODER:
+        total = unexplained
+        if spec.aux_coeff > 0:
+            aux = auxk_loss(params, pre, x - out, dead, spec.aux_k, variance)
+            total = total + spec.aux_coeff * aux
+    else:
+        mse = jnp.mean(jnp.sum(jnp.square(out - x), axis=-1))
+        if spec.architecture == "relu":
+            norms = jnp.linalg.norm(params["W_dec"], axis=-1)
+            aux = jnp.mean(jnp.sum(jax.nn.relu(pre) * norms, axis=-1))
+        else:
+            aux = jnp.mean(jnp.sum(_step(pre, jnp.exp(params["log_threshold"]), spec.bandwidth), axis=-1))
+        total = mse + spec.l1_coeff * aux
+    return total, {"fvu": unexplained, "l0": l0, "aux_loss": aux, "fired": fired, **extra}
