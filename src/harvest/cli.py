@@ -82,6 +82,14 @@ def _train(args: argparse.Namespace) -> int:
     return RetryLater.exit_code if summary["preempted"] else 0  # a job manager reruns it: it resumes
 
 
+def _puzzles(args: argparse.Namespace) -> int:
+    from harvest.puzzles.build import PuzzlesConfig, build_puzzles, summary_line
+
+    config = _config_from(args, PuzzlesConfig)
+    print(summary_line(build_puzzles(args.kind, config)))
+    return 0
+
+
 def _print_summary(summary: dict) -> None:
     print(f"wrote {summary['out']}: {summary['samples']} samples, {summary['tokens']} tokens in "
           f"{summary['streams']} streams; this run {summary['tokens_this_run']} tokens in {summary['seconds']}s "
@@ -209,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
     _add_config_flags(train, TrainConfig)
     train.set_defaults(run=_train)
+
+    from harvest.puzzles.build import PuzzlesConfig
+
+    puzzles = commands.add_parser("puzzles", help="TRM datasets (sudoku, maze, ARC) built once into storage")
+    puzzles_commands = puzzles.add_subparsers(dest="puzzles_command", required=True, metavar="ACTION")
+    build = puzzles_commands.add_parser(
+        "build", help="build a sudoku, maze or arc dataset into --out",
+        description="Build a TinyRecursiveModels dataset (seeded: the same command writes the same bytes) into a "
+        "local directory, gs:// or s3://, arrays first and dataset.json last; every host then reads it from there.",
+    )
+    build.add_argument("kind", metavar="KIND", help="sudoku | maze | arc")
+    _add_config_flags(build, PuzzlesConfig)
+    build.set_defaults(run=_puzzles)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")
