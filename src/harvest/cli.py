@@ -11,19 +11,21 @@ import sys
 from harvest.errors import UserError
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
     """One flag per config field, from its description (harvest.config.setting); defaults are None so YAML
-    values show through unless a flag is given."""
+    values show through unless a flag is given. `prefix` keeps the fields' names apart from the parser's
+    own (e.g. `run`, the handler, and `harvest sae --run`)."""
     from harvest.config import flag, help_line
 
     parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
     for field in dataclasses.fields(cls):
         kind = str(field.type).replace(" | None", "")
         if kind == "bool":
-            parser.add_argument(flag(field.name), action="store_true", default=None, help=help_line(field))
-        else:
-            parser.add_argument(flag(field.name), type=_FLAG_TYPES.get(kind, str), default=None,
+            parser.add_argument(flag(field.name), dest=prefix + field.name, action="store_true", default=None,
                                 help=help_line(field))
+        else:
+            parser.add_argument(flag(field.name), dest=prefix + field.name, type=_FLAG_TYPES.get(kind, str),
+                                default=None, help=help_line(field))
 
 
 def _json_object(text: str) -> dict:
@@ -43,10 +45,10 @@ def _json_object(text: str) -> dict:
 _FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
 
 
-def _config_from(args: argparse.Namespace, cls):
+def _config_from(args: argparse.Namespace, cls, prefix: str = ""):
     from harvest import config
 
-    return config.build(cls, args.config, {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    return config.build(cls, args.config, {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
 
 
 def _extract(args: argparse.Namespace) -> int:
@@ -88,6 +90,39 @@ def _puzzles(args: argparse.Namespace) -> int:
     config = _config_from(args, PuzzlesConfig)
     print(summary_line(build_puzzles(args.kind, config)))
     return 0
+
+
+def _sae(args: argparse.Namespace) -> int:
+    from harvest.errors import RetryLater, UserError
+
+    if args.action != "train":
+        if not args.sae_url:
+            raise UserError(f"usage: harvest sae {args.action} SAE_RUN ...")
+        if args.action == "export":
+            from harvest.sae.export import export
+
+            if not args.sae_out or not args.format:
+                raise UserError("usage: harvest sae export SAE_RUN --format saelens|sparsify --out DIR [--step N]")
+            done = export(args.sae_url, args.sae_out, args.format, args.step)
+            print(f"exported step {done['step']} of {args.sae_url} as {args.format}: {', '.join(done['dirs'])}")
+            return 0
+        import json
+
+        from harvest.sae.evaluate import evaluate
+
+        print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step),
+                         indent=1))
+        return 0
+    if args.sae_url:
+        raise UserError(f"harvest sae train: unexpected argument {args.sae_url!r}")
+    from harvest.sae.config import SaeConfig
+    from harvest.sae.job import run_sae_train
+
+    summary = run_sae_train(_config_from(args, SaeConfig, "sae_"))
+    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
+    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), fvu {summary['fvu']}, "
+          f"l0 {summary['l0']}, dead {summary['dead_fraction']}, {summary['seconds']}s")
+    return RetryLater.exit_code if summary["preempted"] else 0
 
 
 def _print_summary(summary: dict) -> None:
@@ -230,6 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("kind", metavar="KIND", help="sudoku | maze | arc")
     _add_config_flags(build, PuzzlesConfig)
     build.set_defaults(run=_puzzles)
+
+    from harvest.sae.config import SaeConfig
+
+    sae = commands.add_parser(
+        "sae", help="sparse autoencoders on a run's activations: train, eval, export",
+        description="`harvest sae train` trains TopK/BatchTopK/JumpReLU/ReLU SAEs on a run's tensors, latents over "
+        "the mesh's model axis, with checkpoints in --out (rerunning resumes). `harvest sae eval SAE_RUN [--run RUN] "
+        "[--tokens N]`: FVU, L0, dead latents, firing histogram on held-out tokens. `harvest sae export SAE_RUN "
+        "--format saelens|sparsify --out DIR [--step N]`.")
+    sae.add_argument("action", choices=["train", "eval", "export"])
+    sae.add_argument("sae_url", nargs="?", metavar="SAE_RUN", help="eval, export: the SAE run's URL")
+    sae.add_argument("--step", type=int, default=None, help="eval, export: the checkpoint's step (default: newest)")
+    sae.add_argument("--format", choices=["saelens", "sparsify"], default=None, help="export: the files' format")
+    _add_config_flags(sae, SaeConfig, "sae_")
+    sae.set_defaults(run=_sae)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")

@@ -1,7 +1,7 @@
 """Sparse autoencoders as pure functions over a params dict: init, encode, decode, the losses.
 
-params: W_enc [d, L], b_enc [L], W_dec [L, d], b_dec [d] (SAELens's layout), and for jumprelu log_threshold
-[L]. encode(x) = act((x - b_dec) @ W_enc + b_enc), decode(a) = a @ W_dec + b_dec.
+params: W_enc [d, L], b_enc [L], W_dec [L, d], b_dec [d] (SAELens's layout), for jumprelu log_threshold [L],
+for batchtopk its inference threshold (a scalar). encode(x) = act((x - b_dec) @ W_enc + b_enc), decode(a) = a @ W_dec + b_dec.
 
 topk keeps each token's k largest ReLU pre-activations (sparsify's recipe: decoder rows at unit norm, the
 gradient's part along them removed, loss = FVU + aux_coeff x AuxK on dead latents); batchtopk keeps the
@@ -49,6 +49,8 @@ def init_params(key: jax.Array, spec: Spec, b_dec: jax.Array, init_threshold: fl
               "b_dec": b_dec.astype(jnp.float32)}
     if spec.architecture == "jumprelu":
         params["log_threshold"] = jnp.full(spec.latents, np.log(init_threshold), jnp.float32)
+    if spec.architecture == "batchtopk":
+        params["threshold"] = jnp.zeros((), jnp.float32)  # learned from the batches, used at inference
     return params
 
 
@@ -100,8 +102,9 @@ def encode_sparse(params: dict, x: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
     return values, indices, pre
 
 
-def encode(params: dict, x: jax.Array, spec: Spec, threshold: jax.Array | None = None) -> jax.Array:
-    """Dense latents [B, L]. batchtopk: with `threshold` (inference), the learned one; without, the batch's."""
+def encode(params: dict, x: jax.Array, spec: Spec, inference: bool = False) -> jax.Array:
+    """Dense latents [B, L]. batchtopk: in training the batch's B x k largest; at inference those above its
+    learned threshold."""
     pre = pre_activations(params, x)
     if spec.architecture == "topk":
         pre = jax.nn.relu(pre)
@@ -109,10 +112,10 @@ def encode(params: dict, x: jax.Array, spec: Spec, threshold: jax.Array | None =
         return jnp.where(pre >= kth, pre, 0.0)
     if spec.architecture == "batchtopk":
         pre = jax.nn.relu(pre)
-        if threshold is None:
-            threshold = jax.lax.top_k(pre.reshape(-1), spec.k * pre.shape[0])[0][-1]
-            return jnp.where(pre >= threshold, pre, 0.0)
-        return jnp.where(pre > threshold, pre, 0.0)
+        if inference:
+            return jnp.where(pre > params["threshold"], pre, 0.0)
+        threshold = jax.lax.top_k(pre.reshape(-1), spec.k * pre.shape[0])[0][-1]
+        return jnp.where(pre >= threshold, pre, 0.0)
     if spec.architecture == "jumprelu":
         return _jumprelu(pre, jnp.exp(params["log_threshold"]), spec.bandwidth)
     return jax.nn.relu(pre)
@@ -158,14 +161,11 @@ def auxk_loss(params: dict, pre: jax.Array, residual: jax.Array, dead: jax.Array
     return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance
 
 
-@partial(jax.jit, static_argnames=("spec", "dense"))
-def reconstruct(params: dict, x: jax.Array, spec: Spec, dense: bool = False,
-                threshold: jax.Array | None = None) -> jax.Array:
-    """x's reconstruction by the SAE (inference: batchtopk uses its learned threshold)."""
-    if spec.architecture in SPARSE and not dense:
-        values, indices, _ = encode_sparse(params, x, spec.k)
-        return decode_sparse(params, values, indices)
-    return decode(params, encode(params, x, spec, threshold))
+@partial(jax.jit, static_argnames=("spec",))
+def infer(params: dict, x: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Array]:
+    """(latents [B, L], reconstruction [B, d]) at inference (batchtopk: its learned threshold)."""
+    latents = encode(params, x, spec, inference=True)
+    return latents, decode(params, latents)
 
 
 def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, dense: bool) -> tuple[jax.Array, dict]:

@@ -1,7 +1,7 @@
 """The SAE training state and one jitted step over a global batch, latents sharded over `model`.
 
 State: {step, params: {tensor: params}, opt_state: {tensor: Adam's}, idle: {tensor: tokens since each latent
-last fired, [L] int32}, threshold: {tensor: batchtopk's inference threshold}}. Every array with a latent
+last fired, [L] int32}}. A batchtopk SAE's inference threshold is a param the step sets, not Adam. Every array with a latent
 dimension is split over the mesh's `model` axis; the batch over (data, fsdp). One step trains every SAE
 on its tensor's rows (sums of independent losses: one pass over the data for all of them).
 """
@@ -46,6 +46,8 @@ def param_specs(spec: M.Spec) -> dict[str, PartitionSpec]:
            "W_dec": PartitionSpec("model", None), "b_dec": PartitionSpec()}
     if spec.architecture == "jumprelu":
         out["log_threshold"] = PartitionSpec("model")
+    if spec.architecture == "batchtopk":
+        out["threshold"] = PartitionSpec()
     return out
 
 
@@ -65,15 +67,13 @@ def state_shardings(specs: dict[str, M.Spec], optimizers: dict[str, optax.Gradie
         opt[name] = optax.tree_map_params(optimizers[name], lambda _, s: s, opt_shape, params[name],
                                           transform_non_params=lambda _: replicated)
         idle[name] = named(PartitionSpec("model"), jax.ShapeDtypeStruct((spec.latents,), jnp.int32))
-    return {"step": replicated, "params": params, "opt_state": opt, "idle": idle,
-            "threshold": {name: replicated for name in specs}}
+    return {"step": replicated, "params": params, "opt_state": opt, "idle": idle}
 
 
 def fresh_state(params: dict, optimizers: dict, specs: dict[str, M.Spec]) -> dict:
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": {n: optimizers[n].init(params[n]) for n in specs},
-            "idle": {n: jnp.zeros(s.latents, jnp.int32) for n, s in specs.items()},
-            "threshold": {n: jnp.zeros((), jnp.float32) for n in specs}}
+            "idle": {n: jnp.zeros(s.latents, jnp.int32) for n, s in specs.items()}}
 
 
 def init_state(params: dict, optimizers: dict, specs: dict[str, M.Spec], shardings: dict) -> dict:
@@ -108,19 +108,18 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
         if spec.architecture in M.UNIT_DECODER:
             params["W_dec"] = M.unit_rows(params["W_dec"])
         idle = jnp.where(metrics.pop("fired"), 0, jnp.minimum(idle + x.shape[0], IDLE_CAP))
-        threshold = state["threshold"][name]
         if "min_active" in metrics:  # batchtopk: a running mean of the smallest value that fired
             smallest = metrics.pop("min_active")
-            threshold = jnp.where(state["step"] == 0, smallest, 0.99 * threshold + 0.01 * smallest)
+            params["threshold"] = jnp.where(state["step"] == 0, smallest, 0.99 * params["threshold"] + 0.01 * smallest)
         metrics["dead_fraction"] = jnp.mean((idle >= dead_tokens).astype(jnp.float32))
-        return params, opt_state, idle, threshold, metrics
+        return params, opt_state, idle, metrics
 
     def step(state, batch):
-        new = {"step": state["step"] + 1, "params": {}, "opt_state": {}, "idle": {}, "threshold": {}}
+        new = {"step": state["step"] + 1, "params": {}, "opt_state": {}, "idle": {}}
         metrics = {}
         for name, spec in specs.items():
-            (new["params"][name], new["opt_state"][name], new["idle"][name], new["threshold"][name],
-             metrics[name]) = one(name, spec, state, batch[name])
+            new["params"][name], new["opt_state"][name], new["idle"][name], metrics[name] = one(name, spec, state,
+                                                                                                 batch[name])
         return new, metrics
 
     replicated = NamedSharding(mesh, PartitionSpec())

@@ -161,12 +161,14 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
     """A `harvest train` run (run.json of kind "train"): its newest metrics and checkpoints; None otherwise."""
     storage = _storage(url)
     info = storage.read_json("run.json") if storage.exists("run.json") else {}
-    if not isinstance(info, dict) or info.get("kind") != "train":
+    if not isinstance(info, dict) or info.get("kind") not in ("train", "sae"):
         return None
     lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
     last = json.loads(lines[-1]) if lines else {}
     steps = step_parts.complete_steps(storage.child("checkpoints"))
     config = info.get("config") or {}
+    if info["kind"] == "sae":
+        return _sae_status(storage, info, last, steps, now)
     table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
                         f"params) on {info.get('mesh', '?')}", title_justify="left")
     for name in ("step", "loss", "grad norm", "lr", "tokens/s", "MFU", "checkpoints", "updated"):
@@ -176,6 +178,24 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
                   f"{last['grad_norm']:.3g}" if last else "-", f"{last['lr']:.3g}" if last else "-",
                   human_count(last["tokens_per_s"]) if last else "-", f"{last['mfu']:.1%}" if last else "-",
                   ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
+    return table
+
+
+def _sae_status(storage: Storage, info: dict, last: dict, steps: list[int], now: datetime | None) -> Table:
+    """A `harvest sae train` run: its SAEs, newest metrics and checkpoints."""
+    config = info.get("config") or {}
+    saes = ", ".join(f"{name} ({sae['architecture']}, {human_count(sae['latents'])} latents)"
+                     for name, sae in (info.get("saes") or {}).items())
+    table = Table(title=f"{storage.url}: SAEs on {saes} on {info.get('mesh', '?')}", title_justify="left")
+    for name in ("step", "tokens", "fvu", "l0", "dead", "aux loss", "tokens/s", "checkpoints", "updated"):
+        table.add_column(name, justify="right")
+    steps_total = (config.get("tokens") or 0) // max(config.get("batch_tokens") or 1, 1)
+    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
+    table.add_row(f"{last.get('step', 0)}/{steps_total}", human_count(last.get("tokens", 0)),
+                  f"{last['fvu']:.4f}" if last else "-", f"{last['l0']:.1f}" if last else "-",
+                  f"{last['dead_fraction']:.1%}" if last else "-", f"{last['aux_loss']:.3g}" if last else "-",
+                  human_count(last["tokens_per_s"]) if last else "-", ", ".join(map(str, steps[-3:])) or "none",
+                  human_age(_age(updated, now or datetime.now(timezone.utc))))
     return table
 
 

@@ -1,0 +1,62 @@
+"""`harvest sae eval SAE_RUN [--run RUN]`: FVU, L0, dead fraction and the latents' firing histogram on
+tokens the training did not read: the SAE run's held-out streams (chosen by its seed), or another run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harvest.errors import UserError
+from harvest.read.run import open_run
+from harvest.sae import model as M
+from harvest.sae.export import load_sae_run, spec_of
+
+BINS = np.arange(-8, 1)  # log10 of the firing frequency: 1e-8 ... 1 (and "never")
+
+
+def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, batch: int = 1024,
+             step: int | None = None) -> dict[str, Any]:
+    """Per tensor: fvu, l0, dead_fraction (never fired on these tokens), the firing histogram (latents per
+    decade of frequency) and the tokens read."""
+    info, step, params = load_sae_run(url, step)
+    urls = [run_url] if run_url else info["config"]["run"].split(",")
+    results = {}
+    for name, p in params.items():
+        sae = info["saes"][name]
+        spec = spec_of(sae)
+        streams = None if run_url else sae["holdout_streams"]
+        if streams is not None and not any(streams):
+            raise UserError(f"{url} was trained with no --holdout-streams: give --run RUN (tokens it did not read)")
+        sq_err = var = 0.0
+        counts = np.zeros(spec.latents, np.int64)
+        l0 = seen = 0
+        device_params = jax.device_put(p)
+        for r, run_url_r in enumerate(urls):
+            run = open_run(run_url_r)
+            if name not in run.tensors:
+                raise UserError(f"{run.url} holds no {name}; it holds {', '.join(run.tensors)}")
+            reader = run.token_batches(batch, [name], seed=info["config"]["seed"], dtype="float32",
+                                       streams=None if streams is None else streams[r])
+            for rows in reader:
+                x = rows[name]
+                latents, out = M.infer(device_params, jnp.asarray(x), spec)
+                latents, out = np.asarray(latents), np.asarray(out)
+                sq_err += float(np.sum((x - out) ** 2))
+                var += float(np.sum((x - x.mean(0)) ** 2))
+                fired = latents > 0
+                counts += fired.sum(0)
+                l0 += int(fired.sum())
+                seen += len(x)
+                if seen >= tokens:
+                    break
+        if not seen:
+            raise UserError(f"no tokens of {name} to evaluate on in {', '.join(urls)}")
+        frequency = counts / seen
+        histogram = np.histogram(np.log10(frequency[frequency > 0]), bins=BINS)[0] if counts.any() else np.zeros(8)
+        results[name] = {"fvu": sq_err / max(var, 1e-12), "l0": l0 / seen, "dead_fraction": float(np.mean(counts == 0)),
+                         "tokens": seen, "firing_histogram": {f"1e{lo}..1e{lo + 1}": int(n)
+                                                              for lo, n in zip(BINS[:-1], histogram)}}
+    return {"step": step, "tensors": results}
