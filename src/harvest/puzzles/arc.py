@@ -114,11 +114,15 @@ def _apply(grid: np.ndarray, t: int, colours: np.ndarray) -> np.ndarray:
     return dihedral(colours[grid], t)
 
 
+def _version(pairs: list[tuple[np.ndarray, np.ndarray]], t: int, colours: np.ndarray
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(_apply(a, t, colours), _apply(b, t, colours)) for a, b in pairs]
+
+
 def _digest(task: Task, t: int, colours: np.ndarray) -> str:
     """The version's pairs, hashed in sorted order (two versions equal as sets of pairs are one)."""
     pairs = sorted(hashlib.sha256(b"".join(bytes(g.shape) + np.ascontiguousarray(g, np.uint8).tobytes()
-                                           for g in (_apply(a, t, colours), _apply(b, t, colours)))).hexdigest()
-                   for a, b in _pairs(task))
+                                           for g in pair)).hexdigest() for pair in _version(_pairs(task), t, colours))
     return hashlib.sha256("|".join(pairs).encode()).hexdigest()
 
 
@@ -159,11 +163,10 @@ def build(config: PuzzlesConfig, skips: Skips) -> Built:
                 owner.append(index)
                 transforms.append(t)
                 colour_maps.append(colours)
-                train = [(_apply(a, t, colours), _apply(b, t, colours)) for a, b in (task.train if testing else _pairs(task))]
+                train = _version(task.train if testing else _pairs(task), t, colours)
                 _add(splits["train"], train, identifier, rng(config.seed, "translate", name, v))
                 if testing:
-                    test = [(_apply(a, t, colours), _apply(b, t, colours)) for a, b in task.test]
-                    _add(splits["test"], test, identifier, None)
+                    _add(splits["test"], _version(task.test, t, colours), identifier, None)
             for split in splits.values():
                 split.end_group()
             advance()

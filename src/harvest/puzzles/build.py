@@ -90,6 +90,6 @@ def summary_line(summary: dict) -> str:
     splits = ", ".join(f"{name} {s['groups']} groups / {s['puzzles']} puzzles / {s['examples']} examples"
                        for name, s in info.splits.items())
     skipped = "; ".join(f"{count} {reason}" for reason, count in info.skipped.items())
-    return (f"wrote {info.kind} puzzles to {summary['url']}: {splits}; seq_len {info.seq_len}, vocab {info.vocab_size}, "
-            f"{info.num_puzzle_identifiers} identifiers; skipped {summary['skipped']}"
+    return (f"wrote {info.kind} puzzles to {summary['url']}: {splits}; seq_len {info.seq_len}, "
+            f"vocab {info.vocab_size}, {info.num_puzzle_identifiers} identifiers; skipped {summary['skipped']}"
             f"{' (' + skipped + ')' if skipped else ''}; {summary['seconds']:.1f}s")

@@ -101,8 +101,8 @@ def generate(n: int, gen: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     stack = [first]
     while stack:
         r, c = stack[-1]
-        options = [(r + 2 * dr, c + 2 * dc, dr, dc) for dr, dc in _STEPS
-                   if 0 < r + 2 * dr < 2 * cells + 1 and 0 < c + 2 * dc < 2 * cells + 1 and maze[r + 2 * dr, c + 2 * dc] == WALL]
+        options = [(rr, cc, dr, dc) for dr, dc in _STEPS for rr, cc in [(r + 2 * dr, c + 2 * dc)]
+                   if 0 < rr < 2 * cells and 0 < cc < 2 * cells and maze[rr, cc] == WALL]
         if not options:
             stack.pop()
             continue
