@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from harvest.cli import main
-from harvest.puzzles import DatasetError, open_puzzles
+from harvest.puzzles.format import DatasetError, open_puzzles
 from harvest.storage import Storage
 
 BOX = {4: (2, 2), 6: (2, 3), 9: (3, 3)}

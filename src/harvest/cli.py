@@ -85,7 +85,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _puzzles(args: argparse.Namespace) -> int:
-    from harvest.puzzles.build import PuzzlesConfig, build_puzzles, summary_line
+    from harvest.puzzles.build import build_puzzles, summary_line
+    from harvest.puzzles.config import PuzzlesConfig
 
     config = _config_from(args, PuzzlesConfig)
     print(summary_line(build_puzzles(args.kind, config)))
@@ -253,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train, TrainConfig)
     train.set_defaults(run=_train)
 
-    from harvest.puzzles.build import PuzzlesConfig
+    from harvest.puzzles.config import PuzzlesConfig
 
     puzzles = commands.add_parser("puzzles", help="TRM datasets (sudoku, maze, ARC) built once into storage")
     puzzles_commands = puzzles.add_subparsers(dest="puzzles_command", required=True, metavar="ACTION")

