@@ -14,7 +14,7 @@ from harvest.model.weights import load_params
 from harvest.runtime.mesh import constrainer, make_mesh
 
 ALL_POINTS = ",".join(f"{p}:all" for p in ref.POINTS)
-fwd = jax.jit(forward, static_argnames=("cfg", "plan", "constrain"))
+fwd = jax.jit(forward, static_argnames=("cfg", "plan", "constrain", "attention"))
 
 
 def run(ckpt, ids, segments=None, dtype=np.float32, points=ALL_POINTS, mesh=None, block_sparse=False):
@@ -22,9 +22,8 @@ def run(ckpt, ids, segments=None, dtype=np.float32, points=ALL_POINTS, mesh=None
     plan = parse_points(points, cfg.num_layers)
     params = load_params(ckpt, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
     segments = np.ones_like(ids) if segments is None else segments
-    pairs = block_pairs(np.asarray(segments, np.int32)) if block_sparse else None
     out = fwd(params, jnp.asarray(ids, jnp.int32), jnp.asarray(segments, jnp.int32),
-              cfg=cfg, plan=plan, constrain=constrainer(mesh), pairs=pairs)
+              cfg=cfg, plan=plan, constrain=constrainer(mesh), attention="blocks" if block_sparse else "dense")
     return {k: np.asarray(v, np.float32) for k, v in captures_by_key(plan, out).items()}
 
 
@@ -157,7 +156,7 @@ def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
     mesh = make_mesh("data=1", jax.devices()[:1])
     decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, "float32")
     decoder = type(decoder)(decoder.cfg, decoder.plan, decoder.params, mesh, replicas=jax.devices()[1:3])
-    assert decoder.block_sparse and "2 more CPU devices taking batches in turn" in decoder.describe()
+    assert decoder.attention == "auto" and "2 more CPU devices taking batches in turn" in decoder.describe()
     decoder.compile(ids.shape)
     compiles = []
 

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
 from harvest.model.moments import piece_moments
 from harvest.model.points import POINTS, CapturePlan, parse_points
@@ -39,25 +38,24 @@ class Decoder:
     params: dict
     mesh: Mesh
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
-    block_sparse: bool | None = None  # None: on a one-device CPU mesh (elsewhere the backend's fused kernel)
+    attention: str = "auto"  # model.attention.KINDS; auto: the backend's best (blocks on a one-device CPU mesh)
     replicas: list = dataclasses.field(default_factory=list)  # one-device mesh: more devices that take batches in turn
     moment_slots: int = 0  # > 0: `step` also gives each row's first pieces' mean and M2 (harvest.model.moments)
 
     def __post_init__(self):
         one_device = self.mesh.devices.size == 1
-        if self.block_sparse is None:
-            self.block_sparse = jax.default_backend() == "cpu" and one_device
         if self.replicas and not one_device:
             raise ValueError("replicas need a one-device mesh")
         # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
         # On one device there is nothing to pin (and a replica's device is not the mesh's).
         constrain = None if one_device else constrainer(self.mesh)
-        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrain)
+        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrain, attention=self.attention,
+                      mesh=None if one_device else self.mesh)
         dtype = self.out_dtype and jnp.dtype(self.out_dtype)
         slots = self.moment_slots
 
-        def step(params, tokens, segment_ids, pairs):
-            captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids, pairs=pairs).items()}
+        def step(params, tokens, segment_ids):
+            captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids).items()}
             moments = {p: piece_moments(v, segment_ids, slots) for p, v in captures.items()} if slots else {}
             if constrain is not None:  # whole rows at full width, as the captures (the host slices them by row)
                 moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
@@ -86,9 +84,8 @@ class Decoder:
         if not self.replicas:
             return
         tokens = np.zeros(shape, np.int32)
-        pairs = block_pairs(tokens) if self.block_sparse else None
-        placed = [(self.params, self.shard_batch(tokens), self.shard_batch(tokens), pairs),
-                  *((params, *jax.device_put((tokens, tokens, pairs), device)) for device, params in self._copies)]
+        placed = [(self.params, self.shard_batch(tokens), self.shard_batch(tokens)),
+                  *((params, *jax.device_put((tokens, tokens), device)) for device, params in self._copies)]
         with concurrent.futures.ThreadPoolExecutor(len(placed)) as pool:
             list(pool.map(lambda args: self._forward.lower(*args).compile(), placed))
 
@@ -101,16 +98,16 @@ class Decoder:
         """The captures, and {point: (mean, M2)} [n_layers_captured, batch, moment_slots, width] float32 of each
         row's first `moment_slots` pieces ({} without moment slots)."""
         tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
-        pairs = block_pairs(segment_ids) if self.block_sparse else None
         turn = next(self._turns)
         if turn is None:
-            return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids), pairs)
+            return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids))
         device, params = turn
-        return self._forward(params, *jax.device_put((tokens, segment_ids, pairs), device))
+        return self._forward(params, *jax.device_put((tokens, segment_ids), device))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
-                 out_dtype: str | None = None, replicas: bool = False, moment_slots: int = 0) -> Decoder:
+                 out_dtype: str | None = None, replicas: bool = False, moment_slots: int = 0,
+                 attention: str = "auto") -> Decoder:
     """Read config and weights (only the layers the points need) straight into the mesh; with `replicas`, a copy
     on each further CPU device that runtime.cores made room for."""
     path = resolve_checkpoint(str(model))
@@ -118,5 +115,5 @@ def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str 
     plan = parse_points(points, cfg.num_layers)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
-    return Decoder(cfg, plan, params, mesh, out_dtype,
+    return Decoder(cfg, plan, params, mesh, out_dtype, attention,
                    replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [], moment_slots=moment_slots)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest.model.blocks import block_len
+from harvest.model.attention import attention_of
 from harvest.model.config import ModelConfig, RopeConfig
 from harvest.model.points import CapturePlan
 
@@ -66,54 +66,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float) -> jax.Array:
-    """Masked dense attention (GQA): the backend's fused kernel gets the whole [seq, seq] problem."""
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
-
-
-def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
-                           pairs: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
-    """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
-    row costs about sum(len_i^2), not seq^2.
-
-    A loop takes the real pairs one at a time, in list order (each query block's keys in order), and folds
-    each into its query block's running softmax (max, sum, weighted values), flash-attention style: no
-    scatter, no partials held, and each step's matmuls are whole [heads x block, block] products. A query
-    block's result depends on its own row alone, so a row rounds the same way whatever rows share its batch."""
-    q_index, k_index = pairs
-    batch, seq, heads, dim = q.shape
-    groups = k.shape[2]
-    rep = heads // groups
-    block = block_len(seq)
-    n = batch * seq // block
-    # Blocks laid out for the matmuls: queries [n, groups, rep * block, dim], keys and values [n, groups, block, dim].
-    qb = q.reshape(n, block, groups, rep, dim).transpose(0, 2, 3, 1, 4).reshape(n, groups, rep * block, dim)
-    kb = k.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
-    vb = v.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
-    position = jnp.broadcast_to(jnp.arange(seq), (batch, seq)).reshape(n, block)
-    segment = segment_ids.reshape(n, block)
-
-    def fold(t, acc):
-        peak, total, values = acc
-        qi, ki = q_index[t], k_index[t]
-        distance = position[qi][:, None] - position[ki][None, :]
-        visible = (segment[qi][:, None] == segment[ki][None, :]) & (distance >= 0) & (distance < window)
-        scores = jnp.einsum("gmd,gkd->gmk", qb[qi], kb[ki]) * scale
-        scores = jnp.where(jnp.tile(visible, (rep, 1)), scores, jnp.asarray(-1e30, scores.dtype))
-        # A query that sees nothing yet holds -1e30 and junk weights; its own key (always seen) rescales them to 0.
-        new_peak = jnp.maximum(peak[qi], scores.max(-1))
-        rescale = jnp.exp(peak[qi] - new_peak)
-        weights = jnp.exp(scores - new_peak[..., None])
-        return (peak.at[qi].set(new_peak), total.at[qi].set(total[qi] * rescale + weights.sum(-1)),
-                values.at[qi].set(values[qi] * rescale[..., None] + jnp.einsum("gmk,gkd->gmd", weights, vb[ki])))
-
-    shape = (n, groups, rep * block)
-    start = (jnp.full(shape, -1e30, q.dtype), jnp.zeros(shape, q.dtype), jnp.zeros((*shape, dim), q.dtype))
-    _, total, values = jax.lax.fori_loop(0, jnp.sum(q_index < n), fold, start)
-    out = (values / total[..., None]).reshape(n, groups, rep, block, dim)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
-
-
 def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: str) -> jax.Array:
     y = jnp.einsum(spec, x, w)
     return y if b is None else y + b
@@ -151,26 +103,14 @@ def _width(cfg: ModelConfig, point: str) -> int:
     return cfg.intermediate_size if point == "mlp_hidden" else cfg.hidden_size
 
 
-def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype,
-                      pairs: tuple[jax.Array, jax.Array] | None = None):
+def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype, attention: str, mesh):
     """Rotary cos/sin from each token's position in its segment, and `attend_of(layer)`: attention that is
-    causal, within the segment and inside the layer's sliding window if it has one. Dense with a mask, or,
-    given the block `pairs` that share a segment (harvest.model.blocks), over those blocks only."""
-    seq = segment_ids.shape[-1]
+    causal, within the segment and inside the layer's sliding window if it has one (model.attention)."""
     positions = segment_positions(segment_ids)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.rope, cfg.head_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
-    scale = cfg.head_dim**-0.5
-    # Per layer: window in tokens, or seq (never limiting) for full attention.
-    windows = jnp.asarray([w or seq for w in cfg.sliding_windows[:n_run]], jnp.int32)
-    if pairs is not None:
-        return cos, sin, lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, windows[i], pairs,
-                                                                          scale)
-    idx = jnp.arange(seq)
-    causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
-    distance = idx[:, None] - idx[None, :]
-    return cos, sin, lambda i: lambda q, k, v: attention(q, k, v, (causal & (distance < windows[i]))[:, None], scale)
+    return cos, sin, attention_of(attention, segment_ids, cfg.sliding_windows[:n_run], cfg.head_dim**-0.5, mesh)
 
 
 def _embed(table: jax.Array, tokens: jax.Array, constrain) -> jax.Array:
@@ -187,12 +127,13 @@ def forward(
     cfg: ModelConfig,
     plan: CapturePlan,
     constrain=None,
-    pairs: tuple[jax.Array, jax.Array] | None = None,
+    attention: str = "dense",
+    mesh=None,
 ) -> dict[str, jax.Array]:
     """Run layers 0..plan.num_layers-1 over tokens [batch, seq]; return {point: [n_layers_captured, b, s, w]}.
 
     `constrain(x, logical_axes)` (from runtime.mesh) pins activation shardings on a mesh; None on one device.
-    `pairs` (from model.blocks.block_pairs on these segment ids) selects block-sparse attention; None: dense.
+    `attention` names the implementation (model.attention.KINDS); the kernels run under shard_map on `mesh`.
     """
     constrain = constrain or (lambda x, axes: x)
     n_run = plan.num_layers
@@ -202,7 +143,7 @@ def forward(
         raise ValueError(f"capture plan needs {n_run} layers; params hold {depth}")
     dtype = params["embed"].dtype
     batch, seq = tokens.shape
-    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, n_run, dtype, pairs)
+    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, n_run, dtype, attention, mesh)
 
     # Slot of each layer in each point's buffer; n (the spare slot) where that layer is not captured.
     slots = {}
@@ -253,6 +194,8 @@ def decode(
     compute_dtype=None,
     remat: str = "none",
     constrain=None,
+    attention: str = "dense",
+    mesh=None,
 ) -> jax.Array:
     """Every layer, then the final norm: hidden states [batch, seq, hidden] (what the LM head reads).
 
@@ -262,7 +205,7 @@ def decode(
     constrain = constrain or (lambda x, axes: x)
     dtype = jnp.dtype(compute_dtype or params["embed"].dtype)
     params = jax.tree.map(lambda a: a.astype(dtype), params)
-    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype)
+    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype, attention, mesh)
 
     def step(h, xs):
         lp, i = xs
@@ -281,7 +224,8 @@ def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
 
 
 def logits(params: Params, tokens: jax.Array, segment_ids: jax.Array, *, cfg: ModelConfig, compute_dtype=None,
-           remat: str = "none", constrain=None) -> jax.Array:
+           remat: str = "none", constrain=None, attention: str = "dense", mesh=None) -> jax.Array:
     """[batch, seq, vocab] next-token logits, in the compute dtype."""
-    h = decode(params, tokens, segment_ids, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain)
+    h = decode(params, tokens, segment_ids, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain,
+               attention=attention, mesh=mesh)
     return jnp.einsum("bsd,dv->bsv", h, lm_head(params, cfg).astype(h.dtype))

@@ -21,10 +21,10 @@ def target_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def loss_sum(params: dict, tokens: jax.Array, segment_ids: jax.Array, *, cfg: ModelConfig, compute_dtype,
-             remat: str, constrain=None) -> jax.Array:
+             remat: str, constrain=None, attention: str = "dense", mesh=None) -> jax.Array:
     """Sum over the batch of next-token cross-entropy (fp32 softmax), over target_mask's positions."""
     out = logits(params, tokens, segment_ids, cfg=cfg, compute_dtype=compute_dtype, remat=remat,
-                 constrain=constrain)[:, :-1].astype(jnp.float32)
+                 constrain=constrain, attention=attention, mesh=mesh)[:, :-1].astype(jnp.float32)
     picked = jnp.take_along_axis(out, tokens[:, 1:, None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(out, axis=-1) - picked
     return jnp.sum(jnp.where(target_mask(segment_ids), nll, 0.0))

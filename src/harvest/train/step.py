@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from harvest.model.attention import resolve
 from harvest.model.config import ModelConfig
 from harvest.model.init import param_shardings
 from harvest.runtime.mesh import constrainer, logical_sharding
@@ -42,11 +43,16 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, shardings:
 
 
 def make_step(cfg: ModelConfig, mesh: Mesh, optimizer: optax.GradientTransformation, shardings: dict, *,
-              compute_dtype, remat: str, grad_accum: int, batch_shape: tuple[int, int], lr_at):
-    """jitted (state, tokens, segments) -> (state, metrics); the state is donated."""
+              compute_dtype, remat: str, grad_accum: int, batch_shape: tuple[int, int], lr_at,
+              attention: str = "dense"):
+    """jitted (state, tokens, segments) -> (state, metrics); the state is donated. `attention` names the
+    implementation (model.attention.KINDS, resolved for this backend, model and mesh; a kind that cannot serve
+    them is refused here, before anything is traced)."""
     constrain = constrainer(mesh)
     batch = batch_sharding(batch_shape, mesh)
-    loss = partial(loss_sum, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain)
+    attention = resolve(attention, cfg.sliding_windows, batch_shape[1], mesh, backward=True)
+    loss = partial(loss_sum, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain,
+                   attention=attention, mesh=mesh)
 
     def micro(x):
         # Micro-batch a takes rows a, a+A, ...: each device's contiguous rows split evenly, nothing moves.

@@ -1,0 +1,212 @@
+"""Attention over packed rows, every implementation behind one selector (`--attention`).
+
+A row packs samples (segment ids 1, 2, ...; 0 = padding): a token sees the earlier tokens of its own
+segment, inside its layer's sliding window when it has one. Padding sees earlier padding (0 == 0), as
+`dense` always did: no softmax row is ever empty, so nothing is NaN, and padding outputs are never read.
+
+  dense       jax.nn.dot_product_attention over the [rows, 1, seq, seq] mask: the reference; seq^2 memory.
+  blocks      the (query block, key block) pairs that share a segment (model.blocks): ~sum(len_i^2) work;
+              CPU's extraction path (its gathers do not shard, so a mesh of several devices gets dense;
+              its loop's trip count is dynamic, so it has no backward pass and training gets dense).
+  splash      TPU splash attention: segment ids, a causal or local (sliding window) mask, GQA by the
+              kernel's own grouping (k/v are never repeated), flash residuals for the backward pass.
+  pallas-gpu  the Pallas (Triton) flash kernel with segment ids. Chosen over cuDNN's packed path
+              (q/kv offsets through jax's private cudnn module): this one is public API, and it runs here
+              in interpret mode, so its values are tested on every commit; cuDNN's path can only be run
+              on a GPU. It has no GQA (k/v heads are repeated, linear in seq) and no sliding window
+              (a window shorter than the row is refused).
+  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it), blocks on a
+              one-device CPU mesh for extraction, else dense on CPU.
+
+The two kernels run compiled on their own backend and in Pallas interpret mode anywhere else
+(interpret = backend != theirs): slow, but the same program, which is how the tests check them on CPU.
+Their rows are padded to a multiple of 128 (segment 0 at the end: causal, so no real token sees it) and
+they run under shard_map, heads over the mesh's `model` axis and rows over its data axes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import Mesh, PartitionSpec
+
+from harvest.errors import UserError
+from harvest.model.blocks import block_len, block_pairs
+from harvest.runtime.mesh import logical_spec
+
+KINDS = ("auto", "dense", "blocks", "splash", "pallas-gpu")
+KERNEL_BACKEND = {"splash": "tpu", "pallas-gpu": "gpu"}
+LANES = 128  # kernel rows are padded to a multiple of this; splash blocks are multiples of it
+
+
+class AttentionError(UserError):
+    pass
+
+
+def limiting(windows, seq: int) -> tuple[int | None, ...]:
+    """Per layer: the sliding window where it hides some key of a row of `seq` tokens, else None."""
+    return tuple(w if w is not None and w < seq else None for w in windows)
+
+
+def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backward: bool = False) -> str:
+    """The implementation `kind` names ("auto": the backend's best that serves these windows, and a backward
+    pass where training needs one), or an AttentionError for a kind that cannot serve them."""
+    if kind not in KINDS:
+        raise AttentionError(f"--attention {kind!r}: choose one of {', '.join(KINDS)}")
+    windowed = any(limiting(windows, seq))
+    if kind == "auto":
+        backend = jax.default_backend()
+        if backend in KERNEL_BACKEND.values():
+            kind = "pallas-gpu" if backend == "gpu" else "splash"
+            return "dense" if kind == "pallas-gpu" and windowed else kind
+        return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
+    if kind == "blocks" and backward:
+        raise AttentionError("--attention blocks: its loop runs over each batch's real block pairs, a count known "
+                             "only at run time, which has no backward pass; train with --attention dense (or auto)")
+    if kind == "pallas-gpu" and windowed:
+        shortest = min(w for w in limiting(windows, seq) if w)
+        raise AttentionError(f"--attention pallas-gpu: the model has a sliding window of {shortest} tokens, shorter "
+                             f"than the rows ({seq}), and the Pallas GPU kernel has no window; use --attention "
+                             f"dense (or auto)")
+    return kind
+
+
+def attention_of(kind: str, segment_ids: jax.Array, windows, scale: float, mesh: Mesh | None = None):
+    """`attend_of(i)` -> `attend(q [b,s,h,d], k, v [b,s,g,d]) -> [b,s,h,d]` for layer i (a traced index under
+    scan) with `windows[i]` (None: full causal)."""
+    seq = segment_ids.shape[-1]
+    kind = resolve(kind, windows, seq, mesh)
+    windows = limiting(windows, seq)
+    if kind in ("dense", "blocks"):
+        window = jnp.asarray([w or seq for w in windows], jnp.int32)
+        if kind == "blocks":
+            pairs = block_pairs(segment_ids)
+            return lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, window[i], pairs, scale)
+        idx = jnp.arange(seq)
+        causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])
+        distance = idx[:, None] - idx[None, :]
+        return lambda i: lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=(causal & (distance < window[i]))[:, None], scale=scale)
+    local = {"splash": _splash, "pallas-gpu": _pallas_gpu}[kind]
+    interpret = jax.default_backend() != KERNEL_BACKEND[kind]
+    distinct = sorted(set(windows), key=lambda w: w or 0)
+    branches = [functools.partial(_kernel, functools.partial(local, window=w, scale=scale, interpret=interpret),
+                                  mesh=mesh) for w in distinct]
+    if len(branches) == 1:
+        return lambda i: lambda q, k, v: branches[0](q, k, v, segment_ids)
+    choice = jnp.asarray([distinct.index(w) for w in windows], jnp.int32)
+    return lambda i: lambda q, k, v: jax.lax.switch(choice[i], branches, q, k, v, segment_ids)
+
+
+def _kernel(local, q, k, v, segment_ids, *, mesh: Mesh | None):
+    """A kernel over rows padded to a multiple of LANES, under shard_map when the mesh has several devices."""
+    seq = q.shape[1]
+    pad = -seq % LANES
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    if mesh is not None and mesh.devices.size > 1:
+        out = _sharded(local, mesh, q, k, v, segment_ids)
+    else:
+        out = local(q, k, v, segment_ids)
+    return out[:, :seq]
+
+
+def _sharded(local, mesh: Mesh, q, k, v, segment_ids):
+    """Rows over the data axes, query heads over `model` where they divide it and each device's heads fall in
+    whole kv groups or inside one (its kv heads are then split alike, or sliced from a replicated copy)."""
+    rows = logical_spec(segment_ids.shape, ("batch", None), mesh)[0]
+    heads, groups, m = q.shape[2], k.shape[2], mesh.shape["model"]
+    rep, per_device = heads // groups, heads // m
+    split = m > 1 and heads % m == 0 and (per_device % rep == 0 or rep % per_device == 0)
+    kv_split = split and groups % m == 0
+    q_spec = PartitionSpec(rows, None, "model" if split else None, None)
+    kv_spec = PartitionSpec(rows, None, "model" if kv_split else None, None)
+
+    def body(q, k, v, segment_ids):
+        if split and not kv_split:  # this device's query heads all belong to one kv group
+            group = jax.lax.axis_index("model") * per_device // rep
+            k, v = (jax.lax.dynamic_slice_in_dim(x, group, 1, axis=2) for x in (k, v))
+        return local(q, k, v, segment_ids)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows, None)),
+                         out_specs=q_spec)(q, k, v, segment_ids)
+
+
+def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
+    """Splash over each row: q [h, s, d] against k, v [g, s, d] (the kernel maps h/g query heads to each)."""
+    seq, heads = q.shape[1], q.shape[2]
+    kernel = _splash_kernel(seq, heads, window, interpret)
+    heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
+    out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
+        heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), segment_ids)
+    return heads_first(out)
+
+
+@functools.cache
+def _splash_kernel(seq: int, heads: int, window: int | None, interpret: bool):
+    """Blocks of 512 where the row allows (as MaxText and levanter default), else the largest of 256, 128."""
+    block = next(b for b in (512, 256, LANES) if seq % b == 0)
+    mask = (splash_mask.CausalMask((seq, seq)) if window is None
+            else splash_mask.LocalMask((seq, seq), (window - 1, 0), offset=0))
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    with jax.ensure_compile_time_eval():  # the mask tables are constants, whichever trace builds them first
+        return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
+                                      q_seq_shards=1, interpret=interpret)
+
+
+def _pallas_gpu(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
+    """The Pallas GPU kernel takes as many k/v heads as query heads: GQA's k/v are repeated (memory ~seq)."""
+    assert window is None, "resolve refuses pallas-gpu with a limiting window"
+    rep = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, rep, axis=2) for x in (k, v))
+    return pallas_gpu.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, interpret=interpret)
+
+
+def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
+                           pairs: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
+    """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
+    row costs about sum(len_i^2), not seq^2.
+
+    A loop takes the real pairs one at a time, in list order (each query block's keys in order), and folds
+    each into its query block's running softmax (max, sum, weighted values), flash-attention style: no
+    scatter, no partials held, and each step's matmuls are whole [heads x block, block] products. A query
+    block's result depends on its own row alone, so a row rounds the same way whatever rows share its batch."""
+    q_index, k_index = pairs
+    batch, seq, heads, dim = q.shape
+    groups = k.shape[2]
+    rep = heads // groups
+    block = block_len(seq)
+    n = batch * seq // block
+    # Blocks laid out for the matmuls: queries [n, groups, rep * block, dim], keys and values [n, groups, block, dim].
+    qb = q.reshape(n, block, groups, rep, dim).transpose(0, 2, 3, 1, 4).reshape(n, groups, rep * block, dim)
+    kb = k.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
+    vb = v.reshape(n, block, groups, dim).transpose(0, 2, 1, 3)
+    position = jnp.broadcast_to(jnp.arange(seq), (batch, seq)).reshape(n, block)
+    segment = segment_ids.reshape(n, block)
+
+    def fold(t, acc):
+        peak, total, values = acc
+        qi, ki = q_index[t], k_index[t]
+        distance = position[qi][:, None] - position[ki][None, :]
+        visible = (segment[qi][:, None] == segment[ki][None, :]) & (distance >= 0) & (distance < window)
+        scores = jnp.einsum("gmd,gkd->gmk", qb[qi], kb[ki]) * scale
+        scores = jnp.where(jnp.tile(visible, (rep, 1)), scores, jnp.asarray(-1e30, scores.dtype))
+        # A query that sees nothing yet holds -1e30 and junk weights; its own key (always seen) rescales them to 0.
+        new_peak = jnp.maximum(peak[qi], scores.max(-1))
+        rescale = jnp.exp(peak[qi] - new_peak)
+        weights = jnp.exp(scores - new_peak[..., None])
+        return (peak.at[qi].set(new_peak), total.at[qi].set(total[qi] * rescale + weights.sum(-1)),
+                values.at[qi].set(values[qi] * rescale[..., None] + jnp.einsum("gmk,gkd->gmd", weights, vb[ki])))
+
+    shape = (n, groups, rep * block)
+    start = (jnp.full(shape, -1e30, q.dtype), jnp.zeros(shape, q.dtype), jnp.zeros((*shape, dim), q.dtype))
+    _, total, values = jax.lax.fori_loop(0, jnp.sum(q_index < n), fold, start)
+    out = (values / total[..., None]).reshape(n, groups, rep, block, dim)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, heads, dim)
