@@ -23,6 +23,14 @@ class ConfigError(UserError):
     pass
 
 
+ATTENTION_KINDS = ("auto", "dense", "blocks", "splash", "pallas-gpu")  # harvest.model.attention's implementations
+ATTENTION_HELP = ("attention implementation. auto: splash on TPU, pallas-gpu on GPU, {cpu} (and dense where the "
+                  "kernel cannot serve the model's sliding window). dense is the reference: it computes every score "
+                  "of a [seq, seq] mask, seq^2 memory per head and row. blocks, splash and pallas-gpu are "
+                  "flash-style: memory grows with seq, and blocks and splash skip the scores between packed samples. "
+                  "splash and pallas-gpu run in Pallas interpret mode (slow) off their own backend")
+
+
 def setting(help: str, default: Any = dataclasses.MISSING, *, choices: tuple = (), minimum: int | None = None):
     """A config field described once: its flag, its YAML key, its --help line and its checks come from here."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
@@ -77,6 +85,8 @@ class ExtractConfig:
     strict: bool = setting("stop at the first bad input instead of skipping and recording it", False)
     mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on data; on a CPU "
                                "host, one slot whose batches run on the cores in turn)", None)
+    attention: str = setting(ATTENTION_HELP.format(cpu="blocks on a one-device CPU, else dense"), "auto",
+                             choices=ATTENTION_KINDS)
     arc_encoder: str = setting("ARC grid encoding", "compact", choices=("compact", "rows"))
     arc_augment: int = setting("extra augmented variants per ARC task (dihedral, colours, pair order)", 0,
                                minimum=0)

@@ -8,6 +8,7 @@ spans two streams. Resume is the default: each stream restarts from its committe
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from typing import Any, Iterator
@@ -31,6 +32,7 @@ from harvest.model import (
     moments,
     parse_points,
 )
+from harvest.model.attention import resolve as resolve_attention
 from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
@@ -64,8 +66,13 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     data = streams.open_data(cfg.data)
     chosen = _chosen_streams(cfg, data.num_streams)
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
+    # The implementation run, in run.json's config and agreed by every process (all compile one program); not an
+    # output setting: another kernel rounds differently, no more, so a resume may use another.
+    cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, model.sliding_windows, cfg.max_seq_len,
+                                                               mesh))
     run_info = build_run_info(cfg, model, plan, checkpoint, data, compute_dtype)
     distributed.agree({**agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
+                       "attention": cfg.attention,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
     tokenizer = prompts.load_tokenizer(checkpoint)
     render = _renderer(cfg, tokenizer)
@@ -92,7 +99,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
         # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
         decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype, replicas=replicas,
-                               moment_slots=moments.SLOTS)
+                               moment_slots=moments.SLOTS, attention=cfg.attention)
         return _extract(cfg, decoder, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
     finally:
         leases.release_all()

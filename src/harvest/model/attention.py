@@ -35,11 +35,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import Mesh, PartitionSpec
 
+from harvest.config import ATTENTION_KINDS as KINDS
 from harvest.errors import UserError
 from harvest.model.blocks import block_len, block_pairs
 from harvest.runtime.mesh import logical_spec
 
-KINDS = ("auto", "dense", "blocks", "splash", "pallas-gpu")
 KERNEL_BACKEND = {"splash": "tpu", "pallas-gpu": "gpu"}
 LANES = 128  # kernel rows are padded to a multiple of this; splash blocks are multiples of it
 

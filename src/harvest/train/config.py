@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from harvest.config import ConfigError, ExtractConfig, check_settings, setting
+from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, check_settings, setting
 
 _EXTRACT = {f.name: f.metadata for f in dataclasses.fields(ExtractConfig)}
 
@@ -44,6 +44,8 @@ class TrainConfig:
     param_dtype: str = setting("master params and optimizer state", "float32", choices=("float32", "bfloat16"))
     compute_dtype: str | None = _like_extract("compute_dtype", None)
     remat: str = setting("recompute in the backward pass", "layer", choices=("none", "layer", "dots"))
+    attention: str = _like_extract("attention", "auto",
+                                   ATTENTION_HELP.format(cpu="dense on CPU (blocks has no backward pass)"))
     checkpoint_every: int = setting("save a checkpoint every N steps", 100, minimum=1)
     keep: int = setting("checkpoints to keep", 3, minimum=1)
     seed: int = setting("seed of a from-scratch init", 0, minimum=0)

@@ -103,7 +103,8 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     rows_from = row_source(data, render, prompts.encoder(tokenizer, cfg.format), seq_len=cfg.seq_len, long=cfg.long)
     feeder = BatchFeeder(groups, local_rows, rows_from, positions, cfg.seq_len)
     step_fn = make_step(model, mesh, optimizer, shardings, compute_dtype=compute_dtype, remat=cfg.remat,
-                        grad_accum=cfg.grad_accum, batch_shape=shape, lr_at=learning_rate(cfg))
+                        grad_accum=cfg.grad_accum, batch_shape=shape, lr_at=learning_rate(cfg),
+                        attention=cfg.attention)
     log = MetricsLog(out, int(state["step"]), model, cfg, compute_dtype)
 
     def place(host: np.ndarray) -> jax.Array:
