@@ -63,7 +63,7 @@ class SourceFile:
 # --- the one place that opens source bytes ----------------------------------------------------------------
 
 @contextlib.contextmanager
-def _open_read(path: str, compression: str | None = None):
+def open_read(path: str, compression: str | None = None):
     """A binary file object over a source file, decompressing on the fly. Local, gs:// and s3:// files are
     read through harvest's Storage (retries, reopening mid-stream, one-line errors); other fsspec URLs
     (hf://, memory://, http://) through fsspec itself."""
@@ -233,7 +233,7 @@ def _decode(line: bytes, first: bool) -> tuple[str | None, str | None]:
 
 
 def _read_lines(f: SourceFile, skip: int, as_text: bool):
-    with _open_read(f.path, f.compression) as fh:
+    with open_read(f.path, f.compression) as fh:
         n = sum(1 for _ in itertools.islice(fh, skip))
         for i, raw in enumerate(fh, start=n):
             text, reason = _decode(raw, i == 0)
@@ -248,7 +248,7 @@ def _read_lines(f: SourceFile, skip: int, as_text: bool):
 
 
 def _read_json(f: SourceFile, skip: int):
-    with _open_read(f.path, f.compression) as fh:
+    with open_read(f.path, f.compression) as fh:
         data = fh.read()
     try:
         doc = json.loads(data.decode("utf-8-sig"))
@@ -284,7 +284,7 @@ def _read_parquet(f: SourceFile, skip: int):
         raise UserError(f"{f.path}: reading parquet needs pyarrow (pip install pyarrow)") from None
     import pyarrow as pa
 
-    with _open_read(f.path) as fh:
+    with open_read(f.path) as fh:
         try:
             pf = pq.ParquetFile(fh)
         except (pa.ArrowInvalid, OSError) as e:

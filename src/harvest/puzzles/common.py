@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from harvest.data.arc import dihedral
-from harvest.data.sources import _open_read
+from harvest.data.sources import open_read
 
 # dihedral(dihedral(g, t), DIHEDRAL_INVERSE[t]) == g: the rotations by 90 and 270 undo each other, the
 # flips and transposes themselves.
@@ -55,7 +55,7 @@ class Skips:
 def csv_rows(url: str, skips: Skips) -> Iterator[tuple[int, str, str]]:
     """(row number, q, a) of a CSV in Sudoku-Extreme's / Maze-Hard's format (`source,q,a,rating`, a header
     line first), read from a local path, gs://, s3:// or any fsspec URL. Rows without 4 fields are skipped."""
-    with _open_read(url) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as text:
+    with open_read(url) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as text:
         for number, row in enumerate(csv.reader(text)):
             if number == 0 and len(row) >= 3 and row[1] == "q":
                 continue
