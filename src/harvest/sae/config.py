@@ -66,8 +66,6 @@ class SaeConfig:
     keep: int = _like_train("keep", 3)
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
     log_every: int = _like_train("log_every", 100)
-    eval_every: int = setting("FVU of held-out batches every N steps (needs --holdout-streams; 0 = off)", 0,
-                              minimum=0)
     coordinator: str | None = _like_train("coordinator", None)
     num_processes: int | None = _like_train("num_processes", None)
     process_id: int | None = _like_train("process_id", None)

@@ -114,7 +114,8 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
         checkpoints.close()
         distributed.barrier("harvest-sae-done")
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
-            **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction")}, "seconds": round(time.monotonic() - start, 1)}
+            **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction")},
+            "seconds": round(time.monotonic() - start, 1)}
 
 
 def _initial_state(cfg: SaeConfig, specs: dict[str, M.Spec], optimizers: dict, shardings: dict,

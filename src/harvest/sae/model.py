@@ -1,7 +1,8 @@
 """Sparse autoencoders as pure functions over a params dict: init, encode, decode, the losses.
 
 params: W_enc [d, L], b_enc [L], W_dec [L, d], b_dec [d] (SAELens's layout), for jumprelu log_threshold [L],
-for batchtopk its inference threshold (a scalar). encode(x) = act((x - b_dec) @ W_enc + b_enc), decode(a) = a @ W_dec + b_dec.
+for batchtopk its inference threshold (a scalar). encode(x) = act((x - b_dec) @ W_enc + b_enc),
+decode(a) = a @ W_dec + b_dec.
 
 topk keeps each token's k largest ReLU pre-activations (sparsify's recipe: decoder rows at unit norm, the
 gradient's part along them removed, loss = FVU + aux_coeff x AuxK on dead latents); batchtopk keeps the
