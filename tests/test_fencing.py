@@ -154,8 +154,11 @@ def test_two_containers_alike_in_worker_id_host_boot_and_pid_one_commits_each_sh
     and each harvest is pid 1 of its own namespace. One extracts; the other sees the lease move (the
     first's heartbeat) and stops with one line, having written nothing."""
     out = str(setup.root / "containers")
+    # The holder's first commit waits 15 s (heartbeats going on), so that the other is sure to start while it holds
+    # the lease: under load, one whole run can end before the other has started, and both rightly exit 0.
+    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:15"}
     twins = [start(setup, out, "--worker-id", "w", "--lease-ttl", str(TTL), log=f"container{i}.log",
-                   prefix=another_vm()) for i in range(2)]
+                   prefix=another_vm(), env=env) for i in range(2)]
     codes = [p.wait(timeout=300) for p in twins]
     assert sorted(codes) == [0, 2], codes
     line = error_line(setup, f"container{codes.index(2)}.log")
