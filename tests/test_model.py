@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from harvest.model.attention import resolve
 from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points
@@ -156,7 +157,7 @@ def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
     mesh = make_mesh("data=1", jax.devices()[:1])
     decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, "float32")
     decoder = type(decoder)(decoder.cfg, decoder.plan, decoder.params, mesh, replicas=jax.devices()[1:3])
-    assert decoder.attention == "auto" and "2 more CPU devices taking batches in turn" in decoder.describe()
+    assert resolve(decoder.attention) == "blocks" and "2 more CPU devices taking batches in turn" in decoder.describe()
     decoder.compile(ids.shape)
     compiles = []
 
