@@ -221,3 +221,11 @@ def test_cli_refuses_a_bad_attention_and_a_kernel_that_cannot_serve_the_model(ch
         assert result.returncode == 2, result.stderr
         assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not out.exists()
+    # Training refuses a kernel with no backward pass before run.json or a checkpoint is written.
+    out = tmp_path / "train-blocks"
+    result = subprocess.run([sys.executable, "-m", "harvest", "train", "--model", str(checkpoints["plain"]),
+                             "--data", data, "--out", str(out), "--seq-len", "64", "--batch-size", "1", "--steps", "1",
+                             "--attention", "blocks"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--attention blocks" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not out.exists()

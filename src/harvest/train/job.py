@@ -23,17 +23,18 @@ from harvest.config import stable_hash
 from harvest.data import prompts, streams
 from harvest.errors import UserError
 from harvest.model import default_compute_dtype
+from harvest.model.attention import resolve as resolve_attention
 from harvest.model.config import ModelConfig
+from harvest.model.flops import train_flops_per_token
 from harvest.model.init import init_params
 from harvest.model.weights import load_params, param_specs, resolve_checkpoint, tree_set
 from harvest.runtime import cache, distributed
+from harvest.runtime.chips import peak_flops_per_device
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.config import TrainConfig
 from harvest.train.data import BatchFeeder, Groups, Position, row_source
-from harvest.runtime.chips import peak_flops_per_device
-from harvest.model.flops import train_flops_per_token
 from harvest.train.optimizer import learning_rate, make_optimizer
 from harvest.train.runlog import HOLD_AT, RUN_JSON, MetricsFile, SigtermFlag, check_run
 from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
@@ -69,10 +70,12 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
         raise UserError(f"tokenizer {tokenizer_dir} has {len(tokenizer)} tokens, more than the model's "
                         f"vocab_size {model.vocab_size}")
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
+    attention = resolve_attention(cfg.attention, model.sliding_windows, cfg.seq_len, mesh, backward=True)
     info = {"kind": "train", "harvest_version": version("harvest"), "config": cfg.to_dict(),
             "run_settings": cfg.run_settings(), "hf_config": hf_config, "tokenizer": str(tokenizer_dir),
             "model_type": model.model_type, "num_params": _num_params(model), "mesh": describe(mesh),
-            "compute_dtype": compute_dtype, "config_sha256": stable_hash(cfg.shared_settings())}
+            "compute_dtype": compute_dtype, "attention": attention,
+            "config_sha256": stable_hash(cfg.shared_settings())}
     distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
                       "the training settings")
     out = Storage(cfg.out)
@@ -104,7 +107,7 @@ def run_train(cfg: TrainConfig) -> dict[str, Any]:
     feeder = BatchFeeder(groups, local_rows, rows_from, positions, cfg.seq_len)
     step_fn = make_step(model, mesh, optimizer, shardings, compute_dtype=compute_dtype, remat=cfg.remat,
                         grad_accum=cfg.grad_accum, batch_shape=shape, lr_at=learning_rate(cfg),
-                        attention=cfg.attention)
+                        attention=attention)
     log = MetricsLog(out, int(state["step"]), model, cfg, compute_dtype)
 
     def place(host: np.ndarray) -> jax.Array:
