@@ -190,11 +190,15 @@ def _process_0s(value: Any) -> Any:
 
 def _manager(directory: Path, every: int, read_only: bool) -> ocp.CheckpointManager:
     """Every process primary and no ocdbt: each process's files are its own (see above). Staging keeps one
-    step besides the one being saved: storage holds the `keep` newest."""
+    step besides the one being saved: storage holds the `keep` newest. Each process creates its step's
+    directories before save returns: orbax's asynchronous creation signals "created" once for all processes,
+    so another process's item writes could start before its own directories exist (FileNotFoundError on
+    data.orbax-checkpoint-tmp/metadata)."""
     processes = ocp.options.MultiprocessingOptions(primary_host=None)
     options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=1, create=not read_only,
                                            enable_async_checkpointing=not read_only, read_only=read_only,
-                                           multiprocessing_options=processes)
+                                           multiprocessing_options=processes,
+                                           async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     state = ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=processes)
     return ocp.CheckpointManager(str(directory), options=options, item_handlers={
         "state": state, "data": ocp.JsonCheckpointHandler(multiprocessing_options=processes)})
