@@ -11,7 +11,10 @@ import tempfile
 import numpy as np
 
 
-def _rows_model(rows: np.ndarray):
+def _rows_model(rows: np.ndarray, clock: list[float] | None = None):
+    """`clock`, when given, gets the time of every forward (one a training step)."""
+    import time
+
     import torch
     from torch import nn
 
@@ -21,6 +24,8 @@ def _rows_model(rows: np.ndarray):
             self.register_buffer("table", table, persistent=False)
 
         def forward(self, ids):
+            if clock is not None:
+                clock.append(time.perf_counter())
             return self.table[ids]
 
     class Base(nn.Module):
@@ -51,8 +56,11 @@ def _rows_model(rows: np.ndarray):
 
 
 def train_sparsify(rows: np.ndarray, *, latents: int, k: int, batch: int, lr: float, warmup: int, seed: int = 0,
-                   sequence: int = 16):
-    """A TopK SparseCoder trained by sparsify's Trainer on `rows` in order, `batch` rows a step, Adam, AuxK off."""
+                   sequence: int = 16, clock: list[float] | None = None):
+    """A TopK SparseCoder trained by sparsify's Trainer on `rows` in order, `batch` rows a step, Adam, AuxK off;
+    `clock` gets each step's start time and, last, the end of training."""
+    import time
+
     import torch
     from sparsify import SaeConfig, Trainer, TrainConfig
 
@@ -71,9 +79,11 @@ def train_sparsify(rows: np.ndarray, *, latents: int, k: int, batch: int, lr: fl
     cfg = TrainConfig(SaeConfig(num_latents=latents, k=k), batch_size=batch // sequence, optimizer="adam", lr=lr,
                       lr_warmup_steps=warmup, auxk_alpha=0.0, hookpoints=["point"], log_to_wandb=False,
                       save_every=10**9, save_dir=tempfile.mkdtemp(prefix="sparsify-"), init_seeds=[seed])
-    trainer = Trainer(cfg, Rows(), _rows_model(rows))
+    trainer = Trainer(cfg, Rows(), _rows_model(rows, clock))
     os.environ.setdefault("WANDB_MODE", "disabled")
     trainer.fit()
+    if clock is not None:
+        clock.append(time.perf_counter())
     return trainer.saes["point"]
 
 

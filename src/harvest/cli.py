@@ -111,7 +111,8 @@ def _sae(args: argparse.Namespace) -> int:
 
         from harvest.sae.evaluate import evaluate
 
-        print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step),
+        print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step,
+                                  model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len),
                          indent=1))
         return 0
     if args.sae_url:
@@ -273,12 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
         "sae", help="sparse autoencoders on a run's activations: train, eval, export",
         description="`harvest sae train` trains TopK/BatchTopK/JumpReLU/ReLU SAEs on a run's tensors, latents over "
         "the mesh's model axis, with checkpoints in --out (rerunning resumes). `harvest sae eval SAE_RUN [--run RUN] "
-        "[--tokens N]`: FVU, L0, dead latents, firing histogram on held-out tokens. `harvest sae export SAE_RUN "
+        "[--tokens N] [--model MODEL --data TEXTS]`: FVU, L0, dead latents, firing histogram on held-out tokens; "
+        "with --model, CE loss recovered. `harvest sae export SAE_RUN "
         "--format saelens|sparsify --out DIR [--step N]`.")
     sae.add_argument("action", choices=["train", "eval", "export"])
     sae.add_argument("sae_url", nargs="?", metavar="SAE_RUN", help="eval, export: the SAE run's URL")
     sae.add_argument("--step", type=int, default=None, help="eval, export: the checkpoint's step (default: newest)")
     sae.add_argument("--format", choices=["saelens", "sparsify"], default=None, help="export: the files' format")
+    sae.add_argument("--model", dest="eval_model", default=None,
+                     help="eval: the model (HF checkpoint) the run came from: adds CE loss recovered on --data")
+    sae.add_argument("--data", dest="eval_data", default=None, help="eval with --model: texts (JSONL with 'text')")
+    sae.add_argument("--max-seq-len", dest="eval_max_seq_len", type=int, default=256,
+                     help="eval with --model: tokens per text scored")
     _add_config_flags(sae, SaeConfig, "sae_")
     sae.set_defaults(run=_sae)
 

@@ -1,5 +1,6 @@
 """`harvest sae eval SAE_RUN [--run RUN]`: FVU, L0, dead fraction and the latents' firing histogram on
-tokens the training did not read: the SAE run's held-out streams (chosen by its seed), or another run."""
+tokens the training did not read: the SAE run's held-out streams (chosen by its seed), or another run.
+With `--model MODEL --data TEXTS`, also CE loss recovered (sae/splice.py)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ from harvest.errors import UserError
 from harvest.read.run import open_run
 from harvest.sae import model as M
 from harvest.sae.export import load_sae_run, spec_of
+from harvest.sae.splice import ce_loss_recovered
 
 BINS = np.arange(-8, 1)  # log10 of the firing frequency: 1e-8 ... 1 (and "never")
 
 
 def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, batch: int = 1024,
-             step: int | None = None) -> dict[str, Any]:
+             step: int | None = None, model: str | None = None, data: str | None = None,
+             max_seq_len: int = 256) -> dict[str, Any]:
     """Per tensor: fvu, l0, dead_fraction (never fired on these tokens), the firing histogram (latents per
-    decade of frequency) and the tokens read."""
+    decade of frequency) and the tokens read; with `model` and `data`, CE loss recovered on those texts."""
+    if (model is None) != (data is None):
+        raise UserError("harvest sae eval: --model and --data go together (CE loss recovered on those texts)")
     info, step, params = load_sae_run(url, step)
     urls = [run_url] if run_url else info["config"]["run"].split(",")
     results = {}
@@ -59,4 +64,7 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
         results[name] = {"fvu": sq_err / max(var, 1e-12), "l0": l0 / seen, "dead_fraction": float(np.mean(counts == 0)),
                          "tokens": seen, "firing_histogram": {f"1e{lo}..1e{lo + 1}": int(n)
                                                               for lo, n in zip(BINS[:-1], histogram)}}
+        if model is not None:
+            results[name]["downstream"] = ce_loss_recovered(model, data, name, p, spec, tokens=tokens,
+                                                            max_seq_len=max_seq_len)
     return {"step": step, "tensors": results}

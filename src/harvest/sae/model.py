@@ -11,8 +11,9 @@ exp(log_threshold) with straight-through gradients and an L0 penalty; relu has a
 the decoder norms (SAELens's standard SAE).
 
 Latents are "sparse" (values and indices, [B, k]) where they can be: a topk SAE decodes by gathering k
-decoder rows per token (B k d work, not B L d). With latents sharded over a mesh axis, `dense=True`
-decodes by a masked matmul instead, which partitions along the latents.
+decoder rows per token (B k d work, not B L d), and its backward scatters into the k chosen encoder
+columns alone (the forward's [B, L] matmul is the only dense one). With latents sharded over a mesh axis,
+`dense=True` encodes and decodes by masked matmuls instead, which partition along the latents.
 """
 
 from __future__ import annotations
@@ -96,11 +97,45 @@ def _jumprelu_jvp(primals, tangents):
     return _jumprelu(x, threshold, bandwidth), gate * x_dot - threshold * inside / bandwidth * t_dot
 
 
-def encode_sparse(params: dict, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(values [B, k], indices [B, k], ReLU pre-activations [B, L]) of a topk SAE."""
-    pre = jax.nn.relu(pre_activations(params, x))
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _top_acts(centred: jax.Array, w_enc: jax.Array, b_enc: jax.Array, k: int):
+    """(values [B, k], indices [B, k], ReLU pre-activations [B, L]) of the k largest; `pre` carries no
+    gradient (AuxK takes its own through `gathered_acts`)."""
+    pre = jax.nn.relu(centred @ w_enc + b_enc)
     values, indices = jax.lax.top_k(pre, k)
     return values, indices, pre
+
+
+def _top_acts_fwd(centred, w_enc, b_enc, k):
+    values, indices, pre = _top_acts(centred, w_enc, b_enc, k)
+    return (values, indices, pre), (centred, w_enc, values, indices)
+
+
+def _top_acts_bwd(k, saved, cotangents):
+    """Only the k chosen latents of a row have a gradient: scatter k columns (B k d), not a dense [B, L]
+    matmul (B L d) for W_enc, and gather k columns for the input's (b_dec's) gradient."""
+    centred, w_enc, values, indices = saved
+    g = jnp.where(values > 0, cotangents[0], 0.0)
+    flat = indices.reshape(-1)
+    rows = w_enc.T
+    d_centred = jnp.einsum("bk,bkd->bd", g, rows[indices])
+    d_rows = jnp.zeros_like(rows).at[flat].add((g[..., None] * centred[:, None, :]).reshape(-1, centred.shape[-1]))
+    d_bias = jnp.zeros(w_enc.shape[1], g.dtype).at[flat].add(g.reshape(-1))
+    return d_centred, d_rows.T, d_bias
+
+
+_top_acts.defvjp(_top_acts_fwd, _top_acts_bwd)
+
+
+def encode_sparse(params: dict, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(values [B, k], indices [B, k], ReLU pre-activations [B, L], without gradient) of a topk SAE."""
+    return _top_acts(x - params["b_dec"], params["W_enc"], params["b_enc"], k)
+
+
+def gathered_acts(params: dict, x: jax.Array, indices: jax.Array) -> jax.Array:
+    """ReLU pre-activations of the latents `indices` [B, n] only (B n d work), with their gradient."""
+    columns = params["W_enc"].T[indices]
+    return jax.nn.relu(jnp.einsum("bd,bnd->bn", x - params["b_dec"], columns) + params["b_enc"][indices])
 
 
 def encode(params: dict, x: jax.Array, spec: Spec, inference: bool = False) -> jax.Array:
@@ -150,13 +185,14 @@ def fvu(x: jax.Array, reconstruction: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x - reconstruction)) / total_variance(x)
 
 
-def auxk_loss(params: dict, pre: jax.Array, residual: jax.Array, dead: jax.Array, aux_k: int,
+def auxk_loss(params: dict, x: jax.Array, pre: jax.Array, residual: jax.Array, dead: jax.Array, aux_k: int,
               variance: jax.Array) -> jax.Array:
     """The top `aux_k` dead latents' reconstruction of the residual the live ones left (OpenAI's AuxK), scaled
-    down while fewer than aux_k latents are dead; 0 when none is."""
+    down while fewer than aux_k latents are dead; 0 when none is. The dead latents are picked from `pre`; their
+    values (and gradients) are recomputed for those latents alone."""
     num_dead = jnp.sum(dead)
-    values, indices = jax.lax.top_k(jnp.where(dead, pre, -jnp.inf), aux_k)
-    values = jnp.where(jnp.isfinite(values), values, 0.0)
+    picked, indices = jax.lax.top_k(jnp.where(dead, jax.lax.stop_gradient(pre), -jnp.inf), aux_k)
+    values = jnp.where(jnp.isfinite(picked), gathered_acts(params, x, indices), 0.0)
     estimate = decode_sparse(params, values, indices, bias=False)
     scale = jnp.minimum(num_dead / aux_k, 1.0)
     return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance
@@ -192,7 +228,7 @@ def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, dense: bool) -
     if spec.architecture in UNIT_DECODER:
         total = unexplained
         if spec.aux_coeff > 0:
-            aux = auxk_loss(params, pre, x - out, dead, spec.aux_k, variance)
+            aux = auxk_loss(params, x, pre, x - out, dead, spec.aux_k, variance)
             total = total + spec.aux_coeff * aux
     else:
         mse = jnp.mean(jnp.sum(jnp.square(out - x), axis=-1))
