@@ -148,17 +148,18 @@ def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_
 
 def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
     """A one-process CPU run's other cores take batches in turn (runtime.cores): each batch's values must be
-    the same bits on whichever device ran it, and successive calls must alternate devices. `compile` builds
-    every device's program up front, so that no batch waits for one (none compiles after it)."""
-    from harvest.model import load_decoder
+    the same bits on whichever device ran it, and successive calls must alternate devices. `compile_forward`
+    builds every device's program up front, from the params' shapes alone, so that no batch waits for one
+    (none compiles after it)."""
+    from harvest.model import compile_forward, load_decoder
 
     ckpt = ref.build_checkpoint("qwen2", tmp_path)
     ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30]], 256, seed=4)
     mesh = make_mesh("data=1", jax.devices()[:1])
-    decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, "float32")
-    decoder = type(decoder)(decoder.cfg, decoder.plan, decoder.params, mesh, replicas=jax.devices()[1:3])
-    assert resolve(decoder.attention) == "blocks" and "2 more CPU devices taking batches in turn" in decoder.describe()
-    decoder.compile(ids.shape)
+    settings = dict(compute_dtype="float32", replicas=True, attention="blocks")
+    compile_forward(ckpt, "resid_post:all,mlp_hidden:1", mesh, ids.shape, **settings).result()
+    decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, **settings)
+    assert f"{len(jax.devices()) - 1} more CPU devices taking batches in turn" in decoder.describe()
     compiles = []
 
     def listener(event, seconds, **_):
@@ -170,7 +171,7 @@ def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
         calls = jax.block_until_ready([decoder(ids, segments) for _ in range(3)])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
-    assert compiles == [], f"{len(compiles)} compiles after Decoder.compile"
+    assert compiles == [], f"{len(compiles)} compiles after compile_forward"
     assert [next(iter(c.values())).devices() for c in calls] == [{d} for d in jax.devices()[:3]]
     for call in calls[1:]:
         for point, values in call.items():

@@ -8,6 +8,7 @@ spans two streams. Resume is the default: each stream restarts from its committe
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import socket
 import time
@@ -27,6 +28,7 @@ from harvest.extract.shards import ShardWriter
 from harvest.model import (
     Decoder,
     ModelConfig,
+    compile_forward,
     default_compute_dtype,
     load_decoder,
     moments,
@@ -51,6 +53,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     command leaves the output as it was. The first write is a lease: where storage refuses it, nothing
     was written.
     """
+    checkpoint = resolve_checkpoint(cfg.model)
+    # The tokenizer loads beside the backend's start (transformers imports torch where it is installed: seconds).
+    tokenizer_loading = _in_background(prompts.load_tokenizer, checkpoint)
     # Without a --mesh, a one-process CPU run is one slot whose batches take the host's cores in turn.
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
     cores_as_devices = cores.expose_cores(multi or cfg.mesh is not None)
@@ -60,7 +65,6 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     mesh = make_mesh("data=1", jax.devices()[:1]) if replicas else make_mesh(cfg.mesh or f"data={jax.device_count()}")
 
     out = Storage(cfg.out)
-    checkpoint = resolve_checkpoint(cfg.model)
     model = ModelConfig.from_dir(checkpoint)
     plan = parse_points(cfg.points, model.num_layers)
     data = streams.open_data(cfg.data)
@@ -74,7 +78,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     distributed.agree({**agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
                        "attention": cfg.attention,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
-    tokenizer = prompts.load_tokenizer(checkpoint)
+    tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen)
     mine = sorted(s for k in owned for s in fed[k])
@@ -88,6 +92,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
     leases.acquire(mine)  # --overwrite included: never delete streams that another worker holds
+    # The last refusal is behind: the forward compiles from here on, beside the weights' load and the resume reads.
+    decoding = dict(compute_dtype=compute_dtype, out_dtype=cfg.dtype, replicas=replicas, moment_slots=moments.SLOTS,
+                    attention=cfg.attention)
+    compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
+                               **decoding)
     try:
         if cfg.overwrite:
             distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
@@ -98,11 +107,21 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
             check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
         # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
-        decoder = load_decoder(checkpoint, cfg.points, mesh, compute_dtype, out_dtype=cfg.dtype, replicas=replicas,
-                               moment_slots=moments.SLOTS, attention=cfg.attention)
-        return _extract(cfg, decoder, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
+        decoder = load_decoder(checkpoint, cfg.points, mesh, **decoding)
+        return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
     finally:
         leases.release_all()
+
+
+def _in_background(fn, *args) -> concurrent.futures.Future:
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _num_slots(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def _renderer(cfg: ExtractConfig, tokenizer) -> prompts.Renderer:
@@ -143,7 +162,7 @@ def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
         out.delete("run.json")
 
 
-def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
+def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
              out: Storage, leases: Leases, info, failure: list[BaseException]) -> dict[str, Any]:
     chains = {s: read_chain(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
     resume = {s: ResumePoint.after(chain) for s, chain in chains.items()}
@@ -173,7 +192,7 @@ def _extract(cfg, decoder: Decoder, tokenizer, render, data, slots: dict[int, li
     start = time.monotonic()
     with progress.display(), distributed.peers_watched():
         run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer, progress,
-                     failure)
+                     failure, compiled)
     for stream in writers:
         leases.release(stream)
     with distributed.peers_watched():

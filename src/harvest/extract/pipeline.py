@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+from concurrent.futures import Future
 import threading
 from typing import Any, Iterator
 
@@ -28,9 +29,11 @@ QUEUE_DEPTH = 2
 
 
 def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batch_size: int, seq_len: int,
-                 writers: dict, committer: Committer, progress: Progress, failure: list[BaseException]) -> None:
+                 writers: dict, committer: Committer, progress: Progress, failure: list[BaseException],
+                 compiled: Future | None = None) -> None:
     """Feed, forward and write until every slot's streams are done (on every process together); returns
-    when the last shard is committed, raises the first failure of any stage."""
+    when the last shard is committed, raises the first failure of any stage. `compiled`: the forward's
+    compile under way (model.compile_forward), awaited before the first batch."""
     num_slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
     shape = (num_slots * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
@@ -38,7 +41,8 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
-    decoder.compile(shape)  # while the feeder makes the first rows
+    if compiled is not None:
+        compiled.result()  # while the feeder makes the first rows
     local_done = False
     while True:
         batch = None if local_done else get(batches, failure)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 from functools import partial
 from pathlib import Path
@@ -17,11 +18,11 @@ from harvest.model.config import ModelConfig
 from harvest.model.moments import piece_moments
 from harvest.model.points import POINTS, CapturePlan, parse_points
 from harvest.model.transformer import forward
-from harvest.model.weights import load_params, resolve_checkpoint
+from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime import cores
-from harvest.runtime.mesh import constrainer, describe, logical_sharding
+from harvest.runtime.mesh import constrainer, describe, logical_sharding, make_mesh
 
-__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "default_compute_dtype", "load_decoder", "parse_points"]
+__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "load_decoder", "parse_points"]
 
 
 def default_compute_dtype() -> str:
@@ -43,28 +44,18 @@ class Decoder:
     moment_slots: int = 0  # > 0: `step` also gives each row's first pieces' mean and M2 (harvest.model.moments)
 
     def __post_init__(self):
-        one_device = self.mesh.devices.size == 1
-        if self.replicas and not one_device:
+        if self.replicas and self.mesh.devices.size != 1:
             raise ValueError("replicas need a one-device mesh")
-        # One constrain function for the Decoder's life: a new one per call would be a new static arg, a recompile.
-        # On one device there is nothing to pin (and a replica's device is not the mesh's).
-        constrain = None if one_device else constrainer(self.mesh)
-        run = partial(forward, cfg=self.cfg, plan=self.plan, constrain=constrain, attention=self.attention,
-                      mesh=None if one_device else self.mesh)
-        dtype = self.out_dtype and jnp.dtype(self.out_dtype)
-        slots = self.moment_slots
-
-        def step(params, tokens, segment_ids):
-            captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids).items()}
-            moments = {p: piece_moments(v, segment_ids, slots) for p, v in captures.items()} if slots else {}
-            if constrain is not None:  # whole rows at full width, as the captures (the host slices them by row)
-                moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
-            return captures, moments
-
-        self._forward = jax.jit(step)
-        # (device, its params) in turn; None: the mesh's own placement.
-        self._copies = [(d, jax.device_put(self.params, d)) for d in self.replicas]
-        self._turns = itertools.cycle([None, *self._copies])
+        self._forward = _forward_program(self.cfg, self.plan, self.mesh, self.out_dtype, self.attention,
+                                         self.moment_slots)
+        # (mesh, its params) in turn: the mesh's own, then each replica's one-device mesh. Placed alike, as
+        # compile_forward places their shapes, so that its programs are the ones these calls find.
+        copies = []
+        for mesh in _replica_meshes(self.replicas):
+            shardings = jax.tree.map(lambda a: a.sharding, params_shape(self.cfg, dtype=jax.tree.leaves(
+                self.params)[0].dtype, mesh=mesh, num_layers=self.plan.num_layers))
+            copies.append((mesh, jax.device_put(self.params, shardings)))
+        self._turns = itertools.cycle([(self.mesh, self.params), *copies])
 
     def describe(self) -> str:
         """Where forwards run, for the end summary."""
@@ -72,22 +63,10 @@ class Decoder:
         return describe(self.mesh) + (f", and {extra} more CPU device{'s' * (extra > 1)} taking batches in turn"
                                       if extra else "")
 
-    def shard_batch(self, array: np.ndarray) -> jax.Array:
+    def shard_batch(self, array: np.ndarray, mesh: Mesh | None = None) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
-        sharding = logical_sharding(array.shape, ("batch", None), self.mesh)
+        sharding = _batch_sharding(array.shape, mesh or self.mesh)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-    def compile(self, shape: tuple[int, int]) -> None:
-        """With replicas: compile the forward for batches of `shape` on every device at once, each in a thread
-        (XLA lets go of the GIL while it compiles), so that no device's first batch stalls the run compiling
-        its own copy while the others wait for work. Without replicas the first call compiles, as before."""
-        if not self.replicas:
-            return
-        tokens = np.zeros(shape, np.int32)
-        placed = [(self.params, self.shard_batch(tokens), self.shard_batch(tokens)),
-                  *((params, *jax.device_put((tokens, tokens), device)) for device, params in self._copies)]
-        with concurrent.futures.ThreadPoolExecutor(len(placed)) as pool:
-            list(pool.map(lambda args: self._forward.lower(*args).compile(), placed))
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
         """{point: [n_layers_captured, batch, seq, width]} on device (the mesh, or the replica whose turn it is;
@@ -98,11 +77,8 @@ class Decoder:
         """The captures, and {point: (mean, M2)} [n_layers_captured, batch, moment_slots, width] float32 of each
         row's first `moment_slots` pieces ({} without moment slots)."""
         tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
-        turn = next(self._turns)
-        if turn is None:
-            return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids))
-        device, params = turn
-        return self._forward(params, *jax.device_put((tokens, segment_ids), device))
+        mesh, params = next(self._turns)
+        return self._forward(params, self.shard_batch(tokens, mesh), self.shard_batch(segment_ids, mesh))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
@@ -117,3 +93,61 @@ def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str 
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
     return Decoder(cfg, plan, params, mesh, out_dtype, attention,
                    replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [], moment_slots=moment_slots)
+
+
+@functools.lru_cache(maxsize=16)
+def _forward_program(cfg: ModelConfig, plan: CapturePlan, mesh: Mesh, out_dtype: str | None, attention: str,
+                     moment_slots: int):
+    """The jitted step (captures, and each row's first pieces' moments), one per setting: compile_forward's
+    programs are the ones the Decoder then runs."""
+    one_device = mesh.devices.size == 1
+    # On one device there is nothing to pin (and a replica's device is not the mesh's).
+    constrain = None if one_device else constrainer(mesh)
+    run = partial(forward, cfg=cfg, plan=plan, constrain=constrain, attention=attention,
+                  mesh=None if one_device else mesh)
+    dtype = out_dtype and jnp.dtype(out_dtype)
+
+    def step(params, tokens, segment_ids):
+        captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids).items()}
+        moments = {p: piece_moments(v, segment_ids, moment_slots) for p, v in captures.items()} if moment_slots else {}
+        if constrain is not None:  # whole rows at full width, as the captures (the host slices them by row)
+            moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
+        return captures, moments
+
+    return jax.jit(step)
+
+
+def _replica_meshes(devices: list) -> list[Mesh]:
+    return [make_mesh("data=1", [device]) for device in devices]
+
+
+def _batch_sharding(shape: tuple[int, int], mesh: Mesh):
+    return logical_sharding(shape, ("batch", None), mesh)
+
+
+def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, int],
+                    compute_dtype: str | None = None, out_dtype: str | None = None, replicas: bool = False,
+                    moment_slots: int = 0, attention: str = "auto") -> concurrent.futures.Future:
+    """Compile the forward that load_decoder's Decoder (same arguments) runs on batches of `shape`, from the
+    params' shapes alone, in the background: the compile (seconds on a CPU, minutes for a large model on a pod)
+    overlaps reading the weights and the data's first rows. With replicas, every device's copy compiles at once,
+    each in its own thread (XLA lets go of the GIL while it compiles), so that no device's first batch stalls the
+    run. The result() is None; wait for it before the first batch, or that batch compiles the forward again."""
+    path = resolve_checkpoint(str(model))
+    cfg = ModelConfig.from_dir(path)
+    plan = parse_points(points, cfg.num_layers)
+    program = _forward_program(cfg, plan, mesh, out_dtype, attention, moment_slots)
+    dtype = compute_dtype or default_compute_dtype()
+    meshes = [mesh]
+    if replicas:
+        weights = cores.tree_bytes(params_shape(cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers))
+        meshes += _replica_meshes(cores.replica_devices(weights))
+    calls = []
+    for on in meshes:
+        batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, on))
+        calls.append((params_shape(cfg, dtype=dtype, mesh=on, num_layers=plan.num_layers), batch, batch))
+    pool = concurrent.futures.ThreadPoolExecutor(len(calls) + 1, thread_name_prefix="compile")
+    compiles = [pool.submit(lambda args: program.lower(*args).compile(), args) for args in calls]
+    done = pool.submit(lambda: [c.result() for c in compiles] and None)  # raises the first compile's error
+    pool.shutdown(wait=False)
+    return done

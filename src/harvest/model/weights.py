@@ -170,20 +170,36 @@ def load_params(
     """
     ckpt = _Checkpoint(resolve_checkpoint(str(model)))
     num_layers = cfg.num_layers if num_layers is None else num_layers
-    specs = param_specs(cfg, head=head)
     prefix = _prefix(ckpt)
-    _check_names(ckpt, cfg, specs, prefix)
+    _check_names(ckpt, cfg, param_specs(cfg, head=head), prefix)
     params: dict = {}
-    for path, spec in specs.items():
+    for path, spec, shape, sharding in _placements(cfg, mesh, num_layers, head):
         depth = num_layers if spec.layered else None
-        shape = ((depth,) if spec.layered else ()) + spec.shape
+        tree_set(params, path, jax.make_array_from_callback(shape, sharding, _reader(ckpt, spec, prefix, depth, dtype)))
+    return params
+
+
+def params_shape(cfg: ModelConfig, *, dtype: Any = np.float32, mesh: Mesh | None = None, num_layers: int | None = None,
+                 head: bool = False) -> dict:
+    """What load_params gives, as shapes, dtypes and shardings only: enough to compile the forward before (or
+    without) reading a byte of the weights."""
+    num_layers = cfg.num_layers if num_layers is None else num_layers
+    tree: dict = {}
+    for path, _, shape, sharding in _placements(cfg, mesh, num_layers, head):
+        tree_set(tree, path, jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=sharding))
+    return tree
+
+
+def _placements(cfg: ModelConfig, mesh: Mesh | None, num_layers: int, head: bool):
+    """(path, spec, shape, sharding) of each param: layered ones stacked to `num_layers`, each placed into its
+    logical sharding on the mesh (or on the first local device)."""
+    for path, spec in param_specs(cfg, head=head).items():
+        shape = ((num_layers,) if spec.layered else ()) + spec.shape
         if mesh is None:
             sharding = SingleDeviceSharding(jax.local_devices()[0])
         else:
-            axes = ((None,) if spec.layered else ()) + spec.axes
-            sharding = logical_sharding(shape, axes, mesh)
-        tree_set(params, path, jax.make_array_from_callback(shape, sharding, _reader(ckpt, spec, prefix, depth, dtype)))
-    return params
+            sharding = logical_sharding(shape, ((None,) if spec.layered else ()) + spec.axes, mesh)
+        yield path, spec, shape, sharding
 
 
 def tree_set(tree: dict, path: str, value: Any) -> None:
