@@ -98,3 +98,21 @@ def sparsify_fvu_and_dead(coder, rows: np.ndarray) -> tuple[float, int]:
         fired = torch.zeros(coder.num_latents, dtype=torch.bool)
         fired[top.top_indices[top.top_acts > 0]] = True
     return float(((x - recon) ** 2).sum() / ((x - x.mean(0)) ** 2).sum()), int((~fired).sum())
+
+
+def train_saelens_relu(batches: list[np.ndarray], *, latents: int, l1: float, lr: float, seed: int = 0):
+    """SAELens's standard (ReLU, L1 weighted by decoder norms) SAE trained by its SAETrainer on `batches` in
+    order: its init (decoder rows at norm 0.1, encoder their transpose, zero biases), Adam at a constant lr,
+    its gradient clipping at norm 1."""
+    import torch
+    from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens.config import SAETrainerConfig
+
+    torch.manual_seed(seed)
+    size = len(batches[0])
+    sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=batches[0].shape[1], d_sae=latents, l1_coefficient=l1,
+                                                        normalize_activations="none"))
+    trainer = SAETrainer(SAETrainerConfig(total_training_samples=size * len(batches), train_batch_size_samples=size,
+                                          lr=lr, lr_end=lr),
+                         sae, (torch.from_numpy(np.ascontiguousarray(b, np.float32)) for b in batches))
+    return trainer.fit()

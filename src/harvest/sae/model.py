@@ -27,6 +27,7 @@ import numpy as np
 
 SPARSE = ("topk",)
 UNIT_DECODER = ("topk", "batchtopk")
+RELU_DECODER_NORM = 0.1  # SAELens's decoder_init_norm (Anthropic's 2024 heuristic)
 
 
 class Spec(NamedTuple):
@@ -44,11 +45,13 @@ class Spec(NamedTuple):
 
 def init_params(key: jax.Array, spec: Spec, b_dec: jax.Array, init_threshold: float = 0.001) -> dict:
     """sparsify's init: encoder rows uniform in +-1/sqrt(d) (torch's Linear), decoder = encoder rows at unit
-    norm, zero encoder bias; b_dec as given (the first batch's mean or median)."""
+    norm, zero encoder bias; b_dec as given (the first batch's mean or median). relu: SAELens's, decoder rows
+    at norm 0.1 and the encoder their transpose."""
     bound = 1 / np.sqrt(spec.width)
     rows = jax.random.uniform(key, (spec.latents, spec.width), jnp.float32, -bound, bound)
-    params = {"W_enc": rows.T, "b_enc": jnp.zeros(spec.latents, jnp.float32), "W_dec": unit_rows(rows),
-              "b_dec": b_dec.astype(jnp.float32)}
+    w_dec = unit_rows(rows) * (RELU_DECODER_NORM if spec.architecture == "relu" else 1.0)
+    params = {"W_enc": w_dec.T if spec.architecture == "relu" else rows.T,
+              "b_enc": jnp.zeros(spec.latents, jnp.float32), "W_dec": w_dec, "b_dec": b_dec.astype(jnp.float32)}
     if spec.architecture == "jumprelu":
         params["log_threshold"] = jnp.full(spec.latents, np.log(init_threshold), jnp.float32)
     if spec.architecture == "batchtopk":
