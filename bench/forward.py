@@ -1,14 +1,24 @@
-"""Forward-pass benchmark: harvest (JAX) vs HF transformers (torch) on the same random Qwen2 model.
+"""Forward-pass benchmark: harvest's attention kernels side by side on packed rows (any backend: tokens/s per
+chip and MFU against the chip's published peak), and harvest (JAX) vs HF transformers (torch, where installed)
+on the same random Qwen2 model.
 
-Prints one table. Per shape [batch x seq] of random token ids: tokens/s of harvest's jitted forward
-capturing resid_post at every layer, and of HF's base model (no LM head) called with
-output_hidden_states=True, both fp32; "device" stops when the outputs exist, "+ host copy" also
-turns them into one numpy array [layers, batch, seq, width] as the product needs. Calls are
-interleaved and warmed up (no compile in the timings). Then jit compile time
-(trace + lower + compile) at two depths of the same width, which should stay flat because layers
-run under lax.scan.
+Table 1, kernels: per shape [rows per chip x seq], harvest's jitted forward capturing --points over rows packed
+with samples of lognormal length around --sample-len (as extraction packs them), on every device (data
+parallel), for each --attention kind (default dense and the backend's best: splash on TPU, pallas-gpu on GPU,
+blocks on CPU). tokens/s per chip counts real tokens; MFU is useful FLOPs (the layers run, attention within each
+sample only: the same for every kernel) over the chips' peak (harvest.runtime.chips; a measured matmul rate on
+CPU); "x dense" is the dense kernel's time over this one's.
+
+Table 2, HF (when torch is installed; --no-hf skips it): per shape of random token ids (one sample per row),
+tokens/s of harvest's forward capturing resid_post at every layer and of HF's base model (no LM head) called
+with output_hidden_states=True, both fp32; "device" stops when the outputs exist, "+ host copy" also turns
+them into one numpy array as the product needs. Then jit compile time at two depths of the same width, which
+should stay flat because layers run under lax.scan. Calls are interleaved and warmed up (no compile in the
+timings).
 
 Run:  .venv/bin/python bench/forward.py            (defaults take ~2-3 minutes on 2 CPU cores)
+      python bench/forward.py --preset 0.5b --shapes 16x2048 --no-hf      (a TPU VM or a GPU node: dense vs
+                                                                           splash / pallas-gpu, bf16)
 """
 
 from __future__ import annotations
@@ -16,21 +26,36 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 import transformers
 
+try:  # HF's side of the comparison; a TPU VM may have no torch
+    import torch
+except ImportError:
+    torch = None
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/table.py
+from shapes import PRESETS, mean_context, model_config, packed_segments
 from table import show
 
+from harvest.model import default_compute_dtype
+from harvest.model.attention import resolve
 from harvest.model.config import ModelConfig
+from harvest.model.flops import forward_flops_per_token
+from harvest.model.init import init_params
 from harvest.model.points import parse_points
 from harvest.model.transformer import forward
-from harvest.model.weights import load_params, param_specs
+from harvest.model.weights import load_params, params_shape
+from harvest.runtime.chips import peak_flops_per_device
+from harvest.runtime.mesh import constrainer, describe, make_mesh
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +71,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     p.add_argument("--compile-depths", default="4,32", help="layer counts for the compile-time rows (default 4,32)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    k = p.add_argument_group("kernels table")
+    k.add_argument("--preset", default=None, choices=sorted(PRESETS), help="a published shape instead of the "
+                   "--hidden/--layers/... model (0.5b, 7b: Qwen2.5's)")
+    k.add_argument("--attention", default="dense,auto", help="kernels side by side (default dense,auto)")
+    k.add_argument("--sample-len", type=int, default=300, help="mean tokens per packed sample (default 300)")
+    k.add_argument("--points", default="resid_post:all", help="capture points (default resid_post:all)")
+    k.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
+    k.add_argument("--no-hf", action="store_true", help="skip the HF table (skipped anyway without torch)")
     args = p.parse_args()
     args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     return args
@@ -123,13 +156,7 @@ def bench_shape(args, hf_model, params, cfg, batch: int, seq: int) -> tuple[list
 def compile_seconds(args: argparse.Namespace, layers: int) -> float:
     """Best of 3 trace + lower + compile times of forward capturing resid_post at the last layer (params as shapes)."""
     cfg = ModelConfig.from_hf(hf_config(args, layers).to_dict())
-    params: dict = {}
-    for path, spec in param_specs(cfg).items():
-        *parents, leaf = path.split("/")
-        node = params
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = jax.ShapeDtypeStruct(((layers,) if spec.layered else ()) + spec.shape, jnp.float32)
+    params = params_shape(cfg, dtype=np.float32)
     plan = parse_points(f"resid_post:{layers - 1}", layers)
     tok = jax.ShapeDtypeStruct(args.shapes[0], jnp.int32)
     fn = jax.jit(forward, static_argnames=("cfg", "plan", "constrain"))
@@ -142,9 +169,46 @@ def compile_seconds(args: argparse.Namespace, layers: int) -> float:
     return min(times)
 
 
-def main() -> None:
-    args = parse_args()
-    load = os.getloadavg()[0]
+def kernels_table(args: argparse.Namespace, load: float) -> None:
+    cfg = model_config(args.preset) if args.preset else ModelConfig.from_hf(hf_config(args, args.layers).to_dict())
+    dtype = args.dtype or default_compute_dtype()
+    chips = jax.device_count()
+    mesh = make_mesh(f"data={chips}")
+    one_device = chips == 1
+    params = init_params(cfg, 0, mesh, dtype=dtype)
+    plan = parse_points(args.points, cfg.num_layers)
+    kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in args.shapes), mesh)
+                               for k in args.attention.split(",")))
+    peak = peak_flops_per_device(dtype)
+    rows = []
+    for per_chip, seq in args.shapes:
+        batch = per_chip * chips
+        host = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
+        segments = packed_segments(batch, seq, args.sample_len)
+        tokens, segs = (jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+                        for a in (host, segments))
+        real = int(np.count_nonzero(segments))
+        flops = forward_flops_per_token(cfg, mean_context(segments), plan.num_layers) * real
+        calls = []
+        for kind in kinds:
+            run = jax.jit(partial(forward, cfg=cfg, plan=plan, attention=kind, constrain=None if one_device
+                                  else constrainer(mesh), mesh=None if one_device else mesh))
+            calls.append(lambda run=run: jax.block_until_ready(run(params, tokens, segs)))
+        timings = dict(zip(kinds, time_calls(calls, args.iters)))
+        for kind, (median, best) in timings.items():
+            ratio = f"{timings['dense'][1] / best:.2f}x" if "dense" in timings else ""
+            rows.append([f"{per_chip}x{seq}", kind, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}",
+                         f"{real / best / chips:,.0f}", ratio, f"{flops / best / (peak * chips):.1%}"])
+    footer = (f"{args.preset or 'custom'}: {cfg.num_layers} layers, d={cfg.hidden_size}, heads {cfg.num_heads}/"
+              f"{cfg.num_kv_heads} kv; capturing {args.points}; rows packed with samples ~{args.sample_len} tokens; "
+              f"{dtype}; {describe(mesh)} on {chips} x {jax.devices()[0].device_kind} (peak {peak / 1e12:.2f} "
+              f"TFLOP/s per chip). Median and best of {args.iters}; tokens/s per chip (real tokens) and MFU from the "
+              f"best. jax {jax.__version__} ({jax.default_backend()}); load average {load:.1f} before the run.")
+    show("harvest forward by attention kernel, packed rows", ["rows/chip x seq", "attention", "median ms", "best ms",
+         "tokens/s/chip", "x dense", "MFU"], rows, footer)
+
+
+def hf_table(args: argparse.Namespace, load: float) -> None:
     torch.set_num_threads(args.threads)
     hf_model, params, cfg = build_models(args)
     hf = f"HF {args.attn}"
@@ -173,6 +237,14 @@ def main() -> None:
               f"load average {load:.1f} before the run (other work inflates medians more than bests)")
     header = ["shape", "engine", "what", "median", "best", "tokens/s", "harvest/HF", "(best)"]
     show("harvest forward vs HF transformers", header, rows, footer)
+
+
+def main() -> None:
+    args = parse_args()
+    load = os.getloadavg()[0]
+    kernels_table(args, load)
+    if not args.no_hf and torch is not None:
+        hf_table(args, load)
 
 
 if __name__ == "__main__":

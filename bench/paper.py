@@ -27,20 +27,15 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/table.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/table.py
+from shapes import NAMES, model_config
 from table import show
 
 from harvest.model.config import ModelConfig
 from harvest.model.flops import causal_context, forward_flops_per_token, matmul_params
 from harvest.runtime.chips import chip_named
 
-# config.json fields of the published checkpoints (huggingface.co/Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-7B).
-MODELS = {
-    "Qwen2.5-0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
+MODELS = {NAMES[p]: p for p in ("0.5b", "7b")}
 CHIPS = ("TPU v5e", "TPU v6e", "TPU v4", "NVIDIA H100 SXM")
 SEED_V5E_TOKENS_PER_S = 110  # the seed scripts on a v5e-64, Qwen2.5-0.5B (DESIGN.md, "Who uses it")
 MAXTEXT_MFU = (0.45, 0.65)  # MaxText's published range: MaxText/configs/v5e/README.md (46-67%, 16B-128B models)
@@ -59,16 +54,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def model_config(name: str) -> ModelConfig:
-    fields = {"model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 32768}
-    return ModelConfig.from_hf({**fields, **MODELS[name]}, name)
-
-
 def flops_rows(args) -> list[list[str]]:
     rows = []
     packed = causal_context([args.sample_len] * (args.seq // args.sample_len))
     for name in MODELS:
-        cfg = model_config(name)
+        cfg = model_config(MODELS[name])
         matmul = forward_flops_per_token(cfg, 0.0)
         dense, kernel = forward_flops_per_token(cfg, args.seq), forward_flops_per_token(cfg, packed)
         rows.append([name, f"{matmul_params(cfg) / 1e9:.2f}B", f"{matmul / 1e9:.2f}", f"{(dense - matmul) / 1e9:.2f}",
@@ -88,7 +78,7 @@ def chip_rows(args) -> list[list[str]]:
     rows = []
     packed = causal_context([args.sample_len] * (args.seq // args.sample_len))
     for name in MODELS:
-        cfg = model_config(name)
+        cfg = model_config(MODELS[name])
         flops = forward_flops_per_token(cfg, packed)
         weights = 2.0 * matmul_params(cfg) + 2.0 * cfg.vocab_size * cfg.hidden_size  # bf16, embedding included
         capture = args.capture_layers * cfg.hidden_size * 2
