@@ -3,7 +3,6 @@ target and loss, the H-1 cycles without gradient, the carry reset and halting ru
 puzzle embeddings, AdamATan2, the EMA, and the train step on a mesh."""
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp

@@ -20,8 +20,8 @@ DATA = ("inputs", "labels", "puzzle_identifiers")
 def empty_carry(cfg: TrmConfig, batch_size: int) -> dict:
     """Every slot halted, so the first step takes the whole batch."""
     shape = (batch_size, cfg.total_len, cfg.hidden)
-    return {"y": jnp.zeros(shape, jnp.float32), "z": jnp.zeros(shape, jnp.float32), "steps": jnp.zeros((batch_size,), jnp.int32),
-            "halted": jnp.ones((batch_size,), bool),
+    return {"y": jnp.zeros(shape, jnp.float32), "z": jnp.zeros(shape, jnp.float32),
+            "steps": jnp.zeros((batch_size,), jnp.int32), "halted": jnp.ones((batch_size,), bool),
             "inputs": jnp.zeros((batch_size, cfg.seq_len), jnp.uint8),
             "labels": jnp.zeros((batch_size, cfg.seq_len), jnp.uint8),
             "puzzle_identifiers": jnp.zeros((batch_size,), jnp.int32)}

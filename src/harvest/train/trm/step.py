@@ -122,12 +122,11 @@ def predict_fn(cfg: TrmConfig):
         carry = reset(empty_carry(cfg, batch["inputs"].shape[0]), batch, states)
         rows = _puzzle_rows(cfg, puzzle_emb, carry["puzzle_identifiers"])
 
-        def one(_, yzq):
-            (y, z), _, q = forward(cfg, params, rows, carry["inputs"], yzq[0], yzq[1])
-            return y, z, q
+        def one(_, yz):
+            (y, z), _, _ = forward(cfg, params, rows, carry["inputs"], *yz)
+            return y.astype(jnp.float32), z.astype(jnp.float32)
 
-        y, z, _ = jax.lax.fori_loop(0, cfg.halt_max_steps - 1, one, (carry["y"], carry["z"], jnp.zeros(
-            carry["steps"].shape, jnp.float32)))
+        y, z = jax.lax.fori_loop(0, cfg.halt_max_steps - 1, one, (carry["y"], carry["z"]))
         _, logits, q_halt = forward(cfg, params, rows, carry["inputs"], y, z)
         return {"preds": jnp.argmax(logits, -1).astype(jnp.int32), "q_halt": q_halt}
 
