@@ -8,6 +8,7 @@ batch, Adam, AuxK off); eval reads held-out streams; status shows the run."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -83,21 +84,77 @@ def straight(source) -> str:
     return out
 
 
-def test_sparse_topk_gradients_equal_the_dense_ones():
-    """The topk loss's own backward (scatter into the k chosen encoder columns, AuxK's dead latents gathered)
-    gives the gradients of the dense masked formulation (what a latent-sharded mesh runs), AuxK on."""
+def test_two_stage_top_k_equals_the_global_one():
+    """Latents over model=4 (rows over data=2): the two-stage top-k gives lax.top_k's values and ids, ties
+    (values on a coarse grid) broken alike, and the bisected batch threshold lax.top_k's n-th value."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from harvest.runtime.mesh import make_mesh
+    from harvest.sae.topk import kth_largest, top_k
+
+    mesh = make_mesh("data=2,model=4")
+    x = jnp.round(jax.nn.relu(jax.random.normal(jax.random.key(0), (16, 64))) * 4) / 4  # many ties, many zeros
+    placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), "model")))
+    for k in (1, 5, 16, 20):
+        values, ids = jax.jit(lambda a, k=k: top_k(a, k, mesh))(placed)
+        want_values, want_ids = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(values, want_values)
+        np.testing.assert_array_equal(ids, want_ids)
+    for n in (1, 37, 16 * 8, 16 * 64):
+        assert float(jax.jit(lambda a, n=n: kth_largest(a, n, mesh))(placed)) == float(jax.lax.top_k(x.ravel(), n)[0][-1])
+
+
+@pytest.mark.parametrize("architecture", ["topk", "batchtopk"])
+def test_latents_over_model_give_the_one_device_loss_and_gradients(architecture):
+    """One process, 8 devices, latents over model (data=2 x model=4): the loss, metrics and gradients of the
+    masked formulation with the two-stage top-k equal one device's (topk: its sparse backward), AuxK on."""
     import jax
     import jax.numpy as jnp
 
+    from harvest.runtime.mesh import make_mesh
     from harvest.sae import model as M
 
-    spec = M.Spec("topk", 16, 128, 4, 8, 1 / 32)
+    spec = M.Spec(architecture, 16, 128, 4, 8, 1 / 32)
     x = jax.random.normal(jax.random.key(1), (64, 16))
     params = {**M.init_params(jax.random.key(0), spec, x.mean(0)),
               "b_enc": 0.1 * jax.random.normal(jax.random.key(2), (128,))}
     dead = jnp.arange(128) % 3 == 0
-    sparse, dense = (jax.grad(lambda p, d=d: M.loss(p, x, spec, dead, d)[0])(params) for d in (False, True))
-    assert_close(sparse, dense, rtol=1e-5)
+    results = [jax.jit(jax.value_and_grad(lambda p, m=m: M.loss(p, x, spec, dead, m), has_aux=True))(params)
+               for m in (None, make_mesh("data=2,model=4"))]
+    assert_close(results[1], results[0], rtol=1e-5)
+
+
+def test_latents_over_model_gather_no_rows_by_latents_array():
+    """The compiled step (topk and batchtopk, AuxK on, data=2 x model=4) all-gathers nothing the size of the
+    [rows, latents] pre-activations, not even one data slot's share: only the k x model candidates per row."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from harvest.runtime.mesh import make_mesh
+    from harvest.sae import model as M
+    from harvest.sae.step import make_optimizer, make_step, state_shardings
+
+    mesh = make_mesh("data=2,model=4")
+    rows, latents = 64, 1024
+    specs = {a: M.Spec(a, 16, latents, 4, 8, 1 / 32) for a in ("topk", "batchtopk")}
+    optimizers = {a: make_optimizer(1e-3, 1, 10, "linear") for a in specs}
+    shapes = {a: jax.eval_shape(lambda s=s: M.init_params(jax.random.key(0), s, jnp.zeros(16))) for a, s in specs.items()}
+    shardings = state_shardings(specs, optimizers, mesh, shapes)
+    step = make_step(specs, optimizers, shardings, mesh, dead_tokens=100, scales=dict.fromkeys(specs, 1.0),
+                     compute_dtype="float32")
+    state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
+                                      "opt_state": {a: optimizers[a].init(p[a]) for a in specs},
+                                      "idle": {a: jnp.zeros(latents, jnp.int32) for a in specs}}, shapes)
+    batch = {a: jax.ShapeDtypeStruct((rows, 16), jnp.float32) for a in specs}
+    hlo = step.lower(state, batch).compile().as_text()
+    gathered = [math.prod(int(d) for d in dims.split(",") if d) for dims in
+                re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", hlo)]
+    assert gathered, "expected the candidates' all-gathers"
+    assert max(gathered) < rows // 2 * latents // 4, sorted(gathered)[-5:]
 
 
 def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, capsys):
@@ -179,7 +236,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine(bucket, source, strai
 
 
 def test_two_processes_with_latents_over_model_equal_one_device(source, tmp_path):
-    """2 processes x 4 devices, mesh model=8 (latents split 8 ways, a masked dense decode) against one device
+    """2 processes x 4 devices, mesh model=8 (latents split 8 ways: masked matmuls, the two-stage top-k) against one device
     (the gathered sparse decode): the params after 4 steps agree to 1e-5."""
     settings = ["--tokens", str(64 * 4), "--checkpoint-every", "100"]
     address = f"127.0.0.1:{free_port()}"

@@ -83,8 +83,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     if jax.process_index() == 0 and not out.exists(RUN_JSON):
         out.write_json(RUN_JSON, info)
 
-    dense = mesh.shape["model"] > 1
-    step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales, dense=dense,
+    step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales,
                         compute_dtype=compute_dtype)
     log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg)
 

@@ -12,8 +12,9 @@ the decoder norms (SAELens's standard SAE).
 
 Latents are "sparse" (values and indices, [B, k]) where they can be: a topk SAE decodes by gathering k
 decoder rows per token (B k d work, not B L d), and its backward scatters into the k chosen encoder
-columns alone (the forward's [B, L] matmul is the only dense one). With latents sharded over a mesh axis,
-`dense=True` encodes and decodes by masked matmuls instead, which partition along the latents.
+columns alone (the forward's [B, L] matmul is the only dense one). With latents sharded over a mesh's
+`model` axis (`mesh` given), it encodes and decodes by masked matmuls instead, which partition along the
+latents, and its top-k thresholds come from sae/topk.py's two stages (no [B, L] array is gathered).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+
+from harvest.sae.topk import kth_largest, top_k
 
 SPARSE = ("topk",)
 UNIT_DECODER = ("topk", "batchtopk")
@@ -141,19 +145,19 @@ def gathered_acts(params: dict, x: jax.Array, indices: jax.Array) -> jax.Array:
     return jax.nn.relu(jnp.einsum("bd,bnd->bn", x - params["b_dec"], columns) + params["b_enc"][indices])
 
 
-def encode(params: dict, x: jax.Array, spec: Spec, inference: bool = False) -> jax.Array:
+def encode(params: dict, x: jax.Array, spec: Spec, inference: bool = False, mesh: Mesh | None = None) -> jax.Array:
     """Dense latents [B, L]. batchtopk: in training the batch's B x k largest; at inference those above its
-    learned threshold."""
+    learned threshold. `mesh`: the latents are split over its `model` axis."""
     pre = pre_activations(params, x)
     if spec.architecture == "topk":
         pre = jax.nn.relu(pre)
-        kth = jax.lax.top_k(pre, spec.k)[0][:, -1:]
+        kth = top_k(jax.lax.stop_gradient(pre), spec.k, mesh)[0][:, -1:]
         return jnp.where(pre >= kth, pre, 0.0)
     if spec.architecture == "batchtopk":
         pre = jax.nn.relu(pre)
         if inference:
             return jnp.where(pre > params["threshold"], pre, 0.0)
-        threshold = jax.lax.top_k(pre.reshape(-1), spec.k * pre.shape[0])[0][-1]
+        threshold = kth_largest(jax.lax.stop_gradient(pre), spec.k * pre.shape[0], mesh)
         return jnp.where(pre >= threshold, pre, 0.0)
     if spec.architecture == "jumprelu":
         return _jumprelu(pre, jnp.exp(params["log_threshold"]), spec.bandwidth)
@@ -201,6 +205,17 @@ def auxk_loss(params: dict, x: jax.Array, pre: jax.Array, residual: jax.Array, d
     return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance
 
 
+def auxk_loss_dense(params: dict, pre: jax.Array, residual: jax.Array, dead: jax.Array, aux_k: int,
+                    variance: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """auxk_loss with the top `aux_k` dead latents as a mask over [B, L] (a masked matmul decodes them), for
+    latents split over `mesh`'s `model` axis; `pre` is the ReLU pre-activations, with their gradient."""
+    candidates = jnp.where(dead, jax.lax.stop_gradient(pre), -jnp.inf)
+    kth = top_k(candidates, aux_k, mesh)[0][:, -1:]
+    estimate = jnp.where((candidates >= kth) & jnp.isfinite(candidates), pre, 0.0) @ params["W_dec"]
+    scale = jnp.minimum(jnp.sum(dead) / aux_k, 1.0)
+    return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance
+
+
 @partial(jax.jit, static_argnames=("spec",))
 def infer(params: dict, x: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Array]:
     """(latents [B, L], reconstruction [B, d]) at inference (batchtopk: its learned threshold)."""
@@ -208,19 +223,20 @@ def infer(params: dict, x: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Array]
     return latents, decode(params, latents)
 
 
-def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, dense: bool) -> tuple[jax.Array, dict]:
-    """(the loss to minimize, metrics: fvu, l0, aux_loss, and for batchtopk the batch's smallest firing value)."""
+def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
+    """(the loss to minimize, metrics: fvu, l0, aux_loss, and for batchtopk the batch's smallest firing value).
+    `mesh`: the latents are split over its `model` axis (the dense masked formulation)."""
     variance = total_variance(x)
     aux = jnp.zeros((), jnp.float32)
     extra = {}
-    if spec.architecture in SPARSE and not dense:
+    if spec.architecture in SPARSE and mesh is None:
         values, indices, pre = encode_sparse(params, x, spec.k)
         out = decode_sparse(params, values, indices)
         fired = jnp.zeros(spec.latents, bool).at[indices.reshape(-1)].set(True)  # as sparsify counts
         l0 = jnp.mean(jnp.sum(values > 0, axis=-1).astype(jnp.float32))
     else:
         pre = pre_activations(params, x)
-        latents = encode(params, x, spec)
+        latents = encode(params, x, spec, mesh=mesh)
         out = decode(params, latents)
         fired = jnp.any(latents > 0, axis=0)
         l0 = jnp.mean(jnp.sum(latents > 0, axis=-1).astype(jnp.float32))
@@ -231,7 +247,8 @@ def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, dense: bool) -
     if spec.architecture in UNIT_DECODER:
         total = unexplained
         if spec.aux_coeff > 0:
-            aux = auxk_loss(params, x, pre, x - out, dead, spec.aux_k, variance)
+            aux = (auxk_loss(params, x, pre, x - out, dead, spec.aux_k, variance) if mesh is None else
+                   auxk_loss_dense(params, pre, x - out, dead, spec.aux_k, variance, mesh))
             total = total + spec.aux_coeff * aux
     else:
         mse = jnp.mean(jnp.sum(jnp.square(out - x), axis=-1))

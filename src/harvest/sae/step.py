@@ -16,9 +16,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from harvest.sae import model as M
+from harvest.sae.topk import DATA_AXES
 
 IDLE_CAP = 2**30  # tokens since firing saturate here (int32)
-DATA_AXES = ("data", "fsdp")
 
 
 def learning_rate(peak: float, warmup: int, steps: int, schedule: str):
@@ -85,9 +85,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh: Mesh, *, dead_tokens: int,
-              scales: dict[str, float], dense: bool, compute_dtype: str):
+              scales: dict[str, float], compute_dtype: str):
     """jitted (state, {tensor: [B, d] rows}) -> (state, metrics); the state is donated. `scales` multiply
-    the rows first (normalize: run-stats)."""
+    the rows first (normalize: run-stats). With latents over `model` (> 1), the masked dense formulation
+    with the two-stage top-k (sae/topk.py); else topk's sparse one."""
+    sharded = mesh if mesh.shape["model"] > 1 else None
     dtype = jnp.dtype(compute_dtype)
 
     def one(name: str, spec: M.Spec, state: dict, x: jax.Array):
@@ -97,7 +99,7 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
 
         def objective(p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            value, metrics = M.loss(p, x.astype(dtype), spec, dead, dense)
+            value, metrics = M.loss(p, x.astype(dtype), spec, dead, sharded)
             return value.astype(jnp.float32), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
