@@ -77,9 +77,10 @@ def train_args(source: dict, out: str, **more) -> list[str]:
 
 @pytest.fixture(scope="module")
 def straight(source) -> str:
-    """STEPS steps straight, on 2 devices (a subprocess, as every run it is compared with)."""
+    """STEPS steps straight, on 2 devices (a subprocess, as every run it is compared with), evaluating on the
+    held-out stream every 4 steps (which leaves the params alone)."""
     out = str(source["root"] / "straight")
-    done = run_harvest(*train_args(source, out), env=source["env"])
+    done = run_harvest(*train_args(source, out), "--eval-every", "4", env=source["env"])
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -176,6 +177,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, caps
         (["--run", source["run"], "--batch-tokens", "12"], "not a multiple of the mesh's 8 data slots"),
         (["--run", f"{source['run']},{tmp_path / 'narrow'}"], "is 64 wide in"),
         (["--run", source["run"], "--architecture", "gated"], "--architecture 'gated': choose one of"),
+        (["--run", source["run"], "--eval-every", "5"], "--eval-every needs held-out streams"),
     ]
     for args, message in cases:
         assert main(base + args) == 2, args
@@ -280,6 +282,29 @@ def test_exports_load_in_sparsify_and_saelens_with_harvests_outputs(source, stra
         np.testing.assert_allclose(their_latents, latents, rtol=1e-5, atol=1e-5, err_msg=fmt)
         np.testing.assert_allclose(their_recon, recon, rtol=1e-5, atol=1e-5, err_msg=fmt)
         assert (their_latents > 0).sum(1).max() <= spec.k
+
+
+def test_eval_every_logs_the_held_out_metrics(source, straight):
+    """--eval-every 4: steps 4, 8, 12 log eval_fvu, eval_l0, eval_dead_fraction; at step 12 they are the
+    final SAE's on the first 8 batches of the held-out stream."""
+    from harvest.read.run import open_run
+    from harvest.sae import model as M
+    from harvest.sae.export import load_sae_run, spec_of
+
+    records = {r["step"]: r for r in map(json.loads, Path(straight, "metrics.jsonl").read_text().splitlines())}
+    assert [s for s, r in records.items() if "eval_fvu" in r] == [4, 8, 12]
+    info, _, params = load_sae_run(straight)
+    sae = info["saes"][TENSOR]
+    held = open_run(source["run"]).token_batches(64, [TENSOR], dtype="float32", seed=0, epochs=1, drop_last=True,
+                                                 streams=sae["holdout_streams"][0])
+    x = np.concatenate([b[TENSOR] for _, b in zip(range(8), held)])
+    latents, recon = (np.asarray(a) for a in M.infer(params[TENSOR], x, spec_of(sae)))
+    want = {"eval_fvu": np.sum((x - recon) ** 2) / np.sum((x - x.mean(0)) ** 2), "eval_l0": (latents > 0).sum(1).mean(),
+            "eval_dead_fraction": np.mean(~(latents > 0).any(0))}
+    got = records[STEPS]["tensors"][TENSOR]
+    for key, value in want.items():
+        assert abs(got[key] - value) <= 1e-4 * max(1, abs(value)), (key, got[key], value)
+    assert records[STEPS]["eval_fvu"] == got["eval_fvu"]
 
 
 def test_eval_reads_the_held_out_stream_and_status_shows_the_run(source, straight):

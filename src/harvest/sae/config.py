@@ -66,6 +66,8 @@ class SaeConfig:
     keep: int = _like_train("keep", 3)
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
     log_every: int = _like_train("log_every", 100)
+    eval_every: int = setting("every this many steps: fvu, l0 and dead fraction on up to 8 batches of the "
+                              "held-out streams (--holdout-streams), logged as eval_*; 0 = off", 0, minimum=0)
     coordinator: str | None = _like_train("coordinator", None)
     num_processes: int | None = _like_train("num_processes", None)
     process_id: int | None = _like_train("process_id", None)
@@ -110,6 +112,8 @@ class SaeConfig:
             raise ConfigError("--run: give at least one harvest run URL")
         if not self.tensor_names:
             raise ConfigError("--tensors: give at least one tensor of the run, e.g. resid_post.12")
+        if self.eval_every and not self.holdout_streams:
+            raise ConfigError("--eval-every needs held-out streams to evaluate on: give --holdout-streams N")
         if self.batch_tokens % len(self.runs):
             raise ConfigError(f"--batch-tokens {self.batch_tokens} does not split into equal parts of the "
                               f"{len(self.runs)} runs")

@@ -91,6 +91,22 @@ def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int
             for r, run in enumerate(inputs.runs)]
 
 
+def held_out(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int, batches: int) -> dict[str, jax.Array]:
+    """Up to `batches` batches ({tensor: [n, B, d]}) of the held-out streams, read once: the same rows at
+    every evaluation during training. Refuses held-out streams shorter than one batch."""
+    readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1)
+    rows = []
+    for _ in range(batches):
+        try:
+            rows.append(next_batch(readers_, tensors))
+        except StopIteration:
+            break
+    if not rows:
+        raise SaeInputError(f"--eval-every: the {sum(map(len, inputs.holdout))} held-out streams hold fewer than one "
+                            f"batch of {part} rows per run; hold out more streams (--holdout-streams)")
+    return {t: jnp.stack([r[t] for r in rows]) for t in tensors}
+
+
 def next_batch(batches: list[GlobalBatches], tensors: list[str]) -> dict[str, jax.Array]:
     """The step's rows of every tensor: the runs' parts one after another."""
     parts = [next(b) for b in batches]

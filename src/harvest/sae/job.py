@@ -23,12 +23,14 @@ from harvest.runtime.mesh import describe, make_mesh
 from harvest.sae import data as D
 from harvest.sae import model as M
 from harvest.sae.config import SaeConfig
-from harvest.sae.step import fresh_state, init_state, make_optimizer, make_step, state_shardings
+from harvest.sae.step import fresh_state, init_state, make_eval, make_optimizer, make_step, state_shardings
 from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.runlog import RUN_JSON, MetricsFile, SigtermFlag, check_run
 
 KIND = "sae"
+EVAL_BATCHES = 8  # batches of held-out rows each --eval-every evaluation reads
+EVAL_KEYS = ("eval_fvu", "eval_l0", "eval_dead_fraction")
 
 
 def specs_of(cfg: SaeConfig, widths: dict[str, int]) -> dict[str, M.Spec]:
@@ -54,6 +56,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     scales = {t: float(np.sqrt(w / max(inputs.mean_square_norm(t), 1e-12))) if cfg.normalize == "run-stats" else 1.0
               for t, w in inputs.widths.items()}
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
+    eval_rows = D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES) if cfg.eval_every else None
     info = {"kind": KIND, "harvest_version": version("harvest"), "config": cfg.to_dict(),
             "run_settings": {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
             "saes": {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout}
@@ -85,6 +88,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
 
     step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales,
                         compute_dtype=compute_dtype)
+    evaluate = make_eval(specs, shardings, mesh, scales=scales, compute_dtype=compute_dtype) if cfg.eval_every else None
     log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg)
 
     def save(at: int) -> None:
@@ -99,7 +103,8 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
                 state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
             state, metrics = step_fn(state, batch)
             step += 1
-            log.step(step, metrics)
+            held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
+            log.step(step, metrics, held)
             sigterm.hold(step)
             preempted = distributed.any_true(sigterm.raised)
             if preempted or step % cfg.checkpoint_every == 0 or step == steps:
@@ -134,7 +139,8 @@ def _initial_state(cfg: SaeConfig, specs: dict[str, M.Spec], optimizers: dict, s
 
 class SaeMetrics:
     """Every `log_every` steps: per tensor fvu, l0, dead_fraction, aux_loss (their mean over tensors at the
-    top level) and tokens/s, as a line on the terminal and a record in RUN/metrics.jsonl."""
+    top level) and tokens/s, as a line on the terminal and a record in RUN/metrics.jsonl; at an evaluation
+    (`eval_every`) also eval_fvu, eval_l0, eval_dead_fraction on the held-out rows."""
 
     def __init__(self, out: Storage, step: int, cfg: SaeConfig):
         self.file = MetricsFile(out, step)
@@ -142,13 +148,16 @@ class SaeMetrics:
         self._since = (step, time.monotonic())
         self.last: dict[str, Any] = {}
 
-    def step(self, step: int, metrics: dict) -> None:
-        if step % self.cfg.log_every and step != self.cfg.steps:
+    def step(self, step: int, metrics: dict, held: dict | None = None) -> None:
+        if step % self.cfg.log_every and step != self.cfg.steps and held is None:
             return
         values = {t: {k: float(v) for k, v in m.items()} for t, m in jax.device_get(metrics).items()}
+        for t, m in jax.device_get(held or {}).items():
+            values[t].update({f"eval_{k}": float(v) for k, v in m.items()})
         first, then = self._since
         elapsed = max(time.monotonic() - then, 1e-9)
-        mean = {k: float(np.mean([m[k] for m in values.values()])) for k in ("fvu", "l0", "dead_fraction", "aux_loss")}
+        keys = ("fvu", "l0", "dead_fraction", "aux_loss") + (EVAL_KEYS if held else ())
+        mean = {k: float(np.mean([m[k] for m in values.values()])) for k in keys}
         self.last = {"step": step, "tokens": step * self.cfg.batch_tokens, **mean,
                      "tokens_per_s": (step - first) * self.cfg.batch_tokens / elapsed, "time": time.time(),
                      "tensors": values}
@@ -157,4 +166,5 @@ class SaeMetrics:
         if self.file.writer:
             print(f"step {step}/{self.cfg.steps}  fvu {mean['fvu']:.4f}  l0 {mean['l0']:.1f}  "
                   f"dead {mean['dead_fraction']:.1%}  aux {mean['aux_loss']:.3g}  "
-                  f"{self.last['tokens_per_s']:,.0f} tokens/s", flush=True)
+                  f"{self.last['tokens_per_s']:,.0f} tokens/s" + (f"  eval fvu {mean['eval_fvu']:.4f} l0 "
+                  f"{mean['eval_l0']:.1f} dead {mean['eval_dead_fraction']:.1%}" if held else ""), flush=True)

@@ -128,3 +128,34 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
     rows = batch_sharding(mesh)
     return jax.jit(step, in_shardings=(shardings, {n: rows for n in specs}), out_shardings=(shardings, replicated),
                    donate_argnums=0)
+
+
+def make_eval(specs: dict[str, M.Spec], shardings: dict, mesh: Mesh, *, scales: dict[str, float], compute_dtype: str):
+    """jitted (params, {tensor: [n, B, d] rows}) -> {tensor: {fvu, l0, dead_fraction}} at inference over all
+    n x B rows (dead: never fired on them), a batch at a time; latents over `model` as in the step."""
+    dtype = jnp.dtype(compute_dtype)
+    sharded = mesh if mesh.shape["model"] > 1 else None
+
+    def one(spec: M.Spec, params: dict, rows: jax.Array, scale: float) -> dict:
+        params = jax.tree.map(lambda a: a.astype(dtype), params)
+
+        def add(totals, x):
+            x = x.astype(jnp.float32) * scale
+            latents = M.encode(params, x.astype(dtype), spec, inference=True, mesh=sharded)
+            out = M.decode(params, latents).astype(jnp.float32)
+            error, active, fired = totals
+            return (error + jnp.sum(jnp.square(x - out)), active + jnp.sum(latents > 0),
+                    fired | jnp.any(latents > 0, axis=0)), None
+
+        start = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros(spec.latents, bool))
+        error, active, fired = jax.lax.scan(add, start, rows)[0]
+        count = rows.shape[0] * rows.shape[1]
+        return {"fvu": error / M.total_variance(rows.reshape(count, -1).astype(jnp.float32) * scale),
+                "l0": active / count, "dead_fraction": 1 - jnp.mean(fired.astype(jnp.float32))}
+
+    def evaluate(params, rows):
+        return {name: one(spec, params[name], rows[name], scales[name]) for name, spec in specs.items()}
+
+    stacked = NamedSharding(mesh, PartitionSpec(None, DATA_AXES))
+    return jax.jit(evaluate, in_shardings=(shardings["params"], {n: stacked for n in specs}),
+                   out_shardings=NamedSharding(mesh, PartitionSpec()))
