@@ -158,6 +158,25 @@ def test_latents_over_model_gather_no_rows_by_latents_array():
     assert max(gathered) < rows // 2 * latents // 4, sorted(gathered)[-5:]
 
 
+def test_run_and_tensors_are_yaml_lists_or_comma_separated_flags(tmp_path):
+    """`run` and `tensors` as YAML lists give the config their comma-separated flags give (flags win), whose
+    run settings survive run.json's JSON (a rerun resumes); anything but strings is a one-line error."""
+    from harvest.config import ConfigError, build
+    from harvest.sae.config import SaeConfig
+
+    listed = tmp_path / "sae.yaml"
+    listed.write_text("run: [gs://b/run1, s3://b/run2]\ntensors:\n  - resid_post.1\n  - resid_post.2\nout: o\n")
+    from_yaml = build(SaeConfig, str(listed), {})
+    from_flags = build(SaeConfig, None, {"run": "gs://b/run1,s3://b/run2", "tensors": "resid_post.1, resid_post.2",
+                                         "out": "o"})
+    assert from_yaml == from_flags and from_yaml.tensor_names == ("resid_post.1", "resid_post.2")
+    assert json.loads(json.dumps(from_yaml.run_settings())) == from_flags.run_settings()
+    assert build(SaeConfig, str(listed), {"tensors": "resid_post.2"}).tensors == ["resid_post.2"]
+    listed.write_text("run: [gs://b/run1, {a: 1}]\ntensors: resid_post.1\nout: o\n")
+    with pytest.raises(ConfigError, match="run must be a list of strings or a comma-separated string"):
+        build(SaeConfig, str(listed), {})
+
+
 def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, capsys):
     from reader_helpers import RunWriter
 

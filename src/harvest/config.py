@@ -49,14 +49,23 @@ def help_line(field: dataclasses.Field) -> str:
     return meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
 
 
+def str_list(value: str | list | tuple | None) -> list[str]:
+    """A list-of-str setting (annotated `list[str]`) from a YAML list or a comma-separated string (a flag)."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else value
+    return [str(v).strip() for v in items if str(v).strip()]
+
+
 def check_settings(config: Any) -> None:
     """The choices and minimums the fields declare, as one-line errors naming the flag."""
     for field in dataclasses.fields(config):
         value, meta = getattr(config, field.name), field.metadata
         if value is None:
             continue
-        if meta.get("choices") and value not in meta["choices"]:
-            raise ConfigError(f"{flag(field.name)} {value!r}: choose one of {', '.join(meta['choices'])}")
+        for item in value if isinstance(value, list) else [value]:
+            if meta.get("choices") and item not in meta["choices"]:
+                raise ConfigError(f"{flag(field.name)} {item!r}: choose one of {', '.join(meta['choices'])}")
         if meta.get("minimum") is not None and value < meta["minimum"]:
             raise ConfigError(f"{flag(field.name)} {value}: must be at least {meta['minimum']}")
 
@@ -186,10 +195,16 @@ _TYPES = {"int": int, "str": str, "bool": bool, "float": float, "dict": dict}
 
 
 def _coerce(name: str, value: Any, annotation: str, source: str | None) -> Any:
-    """YAML values must have the field's type (flags already do): a string where an int belongs is an error."""
+    """YAML values must have the field's type (flags already do): a string where an int belongs is an error.
+    A `list[str]` takes a YAML list of strings or one comma-separated string (as its flag gives it)."""
     kind = annotation.replace(" | None", "")
     if value is None and "None" in annotation:
         return value
+    if kind == "list[str]":
+        if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, (str, int)) for v in value)):
+            return str_list(value)
+        raise ConfigError(f"{'--config ' + source if source else 'setting'}: {name} must be a list of strings or "
+                          f"a comma-separated string, got {value!r}")
     if kind == "str" and isinstance(value, int) and not isinstance(value, bool):
         return str(value)  # e.g. `streams: 3` or `shard_size: 1000000`
     if kind == "float" and not isinstance(value, bool) and isinstance(value, (int, str)):

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from harvest.config import ConfigError, check_settings, setting
+from harvest.config import ConfigError, check_settings, setting, str_list
 from harvest.train.config import TrainConfig
 
 _TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
@@ -19,18 +19,12 @@ def _like_train(name: str, default: Any, help: str | None = None):
     return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
 
 
-def _names(value: str | list | tuple | None) -> tuple[str, ...]:
-    """A list setting from YAML (a list) or a flag (comma-separated)."""
-    if value is None:
-        return ()
-    items = value.split(",") if isinstance(value, str) else value
-    return tuple(str(v).strip() for v in items if str(v).strip())
-
-
 @dataclasses.dataclass(frozen=True)
 class SaeConfig:
-    run: str = setting("harvest run URL(s) to train on, comma-separated (every batch takes equal parts of each)")
-    tensors: str = setting("tensor(s) of the run, comma-separated, e.g. resid_post.12; one SAE each, one pass")
+    run: list[str] = setting("harvest run URL(s) to train on, a YAML list or comma-separated (every batch takes "
+                             "equal parts of each)")
+    tensors: list[str] = setting("tensor(s) of the run, a YAML list or comma-separated, e.g. resid_post.12; one SAE "
+                                 "each, all in one pass")
     out: str = setting("the SAE run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
     architecture: str = setting("activation and sparsity penalty", "topk", choices=ARCHITECTURES)
     latents: int | None = setting("latents per SAE (default: --expansion x the tensor's width)", None, minimum=1)
@@ -79,13 +73,18 @@ class SaeConfig:
                   "holdout_streams", "mesh", "param_dtype", "seed")
     LOCAL_FIELDS = ("process_id",)
 
+    def __post_init__(self):
+        """`run` and `tensors` as lists, also where Python code gives a comma-separated string."""
+        object.__setattr__(self, "run", str_list(self.run))
+        object.__setattr__(self, "tensors", str_list(self.tensors))
+
     @property
     def runs(self) -> tuple[str, ...]:
-        return _names(self.run)
+        return tuple(self.run)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        return _names(self.tensors)
+        return tuple(self.tensors)
 
     def num_latents(self, width: int) -> int:
         return self.latents or self.expansion * width

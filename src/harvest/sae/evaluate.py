@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from harvest.config import str_list
 from harvest.errors import UserError
 from harvest.read.run import open_run
 from harvest.sae import model as M
@@ -27,7 +28,7 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
     if (model is None) != (data is None):
         raise UserError("harvest sae eval: --model and --data go together (CE loss recovered on those texts)")
     info, step, params = load_sae_run(url, step)
-    urls = [run_url] if run_url else info["config"]["run"].split(",")
+    urls = [run_url] if run_url else str_list(info["config"]["run"])
     results = {}
     for name, p in params.items():
         sae = info["saes"][name]
