@@ -71,7 +71,7 @@ def _proj(x: jax.Array, w: jax.Array, b: jax.Array | None, spec: str) -> jax.Arr
     return y if b is None else y + b
 
 
-def _layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, attend) -> dict[str, jax.Array]:
+def layer(cfg: ModelConfig, lp: Params, h: jax.Array, cos, sin, attend) -> dict[str, jax.Array]:
     """One decoder layer; returns every capture point (unused ones are dead code to XLA)."""
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     q = _proj(x, lp["q_proj"], lp.get("q_bias"), "bsd,dhk->bshk")
@@ -103,7 +103,7 @@ def _width(cfg: ModelConfig, point: str) -> int:
     return cfg.intermediate_size if point == "mlp_hidden" else cfg.hidden_size
 
 
-def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype, attention: str, mesh):
+def attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtype, attention: str, mesh):
     """Rotary cos/sin from each token's position in its segment, and `attend_of(layer)`: attention that is
     causal, within the segment and inside the layer's sliding window if it has one (model.attention)."""
     positions = segment_positions(segment_ids)
@@ -113,7 +113,7 @@ def _attention_inputs(cfg: ModelConfig, segment_ids: jax.Array, n_run: int, dtyp
     return cos, sin, attention_of(attention, segment_ids, cfg.sliding_windows[:n_run], cfg.head_dim**-0.5, mesh)
 
 
-def _embed(table: jax.Array, tokens: jax.Array, constrain) -> jax.Array:
+def embed(table: jax.Array, tokens: jax.Array, constrain) -> jax.Array:
     # Gather the table's fsdp-split dim first: a lookup from a table split on both dims is replicated.
     table = constrain(table, ("vocab", None))
     return constrain(table[tokens], ("batch", "seq", None))
@@ -143,7 +143,7 @@ def forward(
         raise ValueError(f"capture plan needs {n_run} layers; params hold {depth}")
     dtype = params["embed"].dtype
     batch, seq = tokens.shape
-    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, n_run, dtype, attention, mesh)
+    cos, sin, attend_of = attention_inputs(cfg, segment_ids, n_run, dtype, attention, mesh)
 
     # Slot of each layer in each point's buffer; n (the spare slot) where that layer is not captured.
     slots = {}
@@ -156,12 +156,12 @@ def forward(
             jnp.zeros((len(layers) + 1, batch, seq, _width(cfg, point)), dtype), ("capture", "batch", "seq", None)
         )
 
-    h = _embed(params["embed"], tokens, constrain)
+    h = embed(params["embed"], tokens, constrain)
 
     def step(carry, i):
         h, buffers = carry
         lp = jax.tree.map(lambda a: a[i], stacked)
-        out = _layer(cfg, lp, h, cos, sin, attend_of(i))
+        out = layer(cfg, lp, h, cos, sin, attend_of(i))
         buffers = {
             p: jax.lax.dynamic_update_slice_in_dim(buf, out[p][None].astype(dtype), slots[p][i], axis=0)
             for p, buf in buffers.items()
@@ -205,15 +205,15 @@ def decode(
     constrain = constrain or (lambda x, axes: x)
     dtype = jnp.dtype(compute_dtype or params["embed"].dtype)
     params = jax.tree.map(lambda a: a.astype(dtype), params)
-    cos, sin, attend_of = _attention_inputs(cfg, segment_ids, cfg.num_layers, dtype, attention, mesh)
+    cos, sin, attend_of = attention_inputs(cfg, segment_ids, cfg.num_layers, dtype, attention, mesh)
 
     def step(h, xs):
         lp, i = xs
-        return constrain(_layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], ("batch", "seq", None)), None
+        return constrain(layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], ("batch", "seq", None)), None
 
     if remat != "none":
         step = jax.checkpoint(step, policy=REMAT_POLICIES[remat])
-    h, _ = jax.lax.scan(step, _embed(params["embed"], tokens, constrain),
+    h, _ = jax.lax.scan(step, embed(params["embed"], tokens, constrain),
                         (params["layers"], jnp.arange(cfg.num_layers)))
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 

@@ -43,17 +43,17 @@ def losses(params: dict, tokens: jax.Array, segments: jax.Array, sae: dict, *, c
     """(summed next-token cross-entropy, predictions counted) of a batch [rows, seq]; the residual stream
     after `split` layers is kept (clean), replaced by the SAE's reconstruction (sae) or zeroed (zero)."""
     dtype = params["embed"].dtype
-    cos, sin, attend_of = T._attention_inputs(cfg, segments, cfg.num_layers, dtype, "dense", None)
+    cos, sin, attend_of = T.attention_inputs(cfg, segments, cfg.num_layers, dtype, "dense", None)
 
     def run(h, lo, hi):
         def step(h, xs):
             lp, i = xs
-            return T._layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], None
+            return T.layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], None
 
         layers = jax.tree.map(lambda a: a[lo:hi], params["layers"])
         return jax.lax.scan(step, h, (layers, jnp.arange(lo, hi)))[0] if hi > lo else h
 
-    h = run(T._embed(params["embed"], tokens, lambda x, axes: x), 0, split)
+    h = run(T.embed(params["embed"], tokens, lambda x, axes: x), 0, split)
     if mode == "sae":
         rows = h.reshape(-1, h.shape[-1]).astype(jnp.float32)
         h = M.decode(sae, M.encode(sae, rows, spec, inference=True)).reshape(h.shape).astype(dtype)
