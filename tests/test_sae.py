@@ -3,7 +3,9 @@ nothing written; a run SIGKILLed at a random step and then SIGTERMed (exit 75) r
 run never interrupted; checkpoints in gs:// and s3:// resume on a fresh machine; 2 processes x 4 devices
 with the latents over `model` equal one device; exports load in sparsify and SAELens with harvest's
 latents and reconstructions; a TopK SAE reaches sparsify's FVU (same activations, tokens, latents, k,
-batch, Adam, AuxK off); eval reads held-out streams; status shows the run."""
+batch, Adam, AuxK off); eval reads held-out streams; status shows the run. Latents over `model` take the
+top-k in two stages (equal to lax.top_k, no [rows, latents] all-gather in the compiled step); --eval-every
+logs held-out metrics; run and tensors are YAML lists."""
 
 from __future__ import annotations
 
@@ -258,8 +260,9 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine(bucket, source, strai
 
 def test_two_processes_with_latents_over_model_equal_one_device(source, tmp_path):
     """2 processes x 4 devices, mesh model=8 (latents split 8 ways: masked matmuls, the two-stage top-k) against one device
-    (the gathered sparse decode): the params after 4 steps agree to 1e-5."""
-    settings = ["--tokens", str(64 * 4), "--checkpoint-every", "100"]
+    (the gathered sparse decode): the params after 4 steps agree to 1e-5, and so do the held-out metrics
+    (--eval-every 2)."""
+    settings = ["--tokens", str(64 * 4), "--checkpoint-every", "100", "--eval-every", "2"]
     address = f"127.0.0.1:{free_port()}"
     two = str(tmp_path / "two")
     codes = run_processes([harvest_cmd(*train_args(source, two), *settings, "--mesh", "model=8", "--coordinator",
@@ -271,6 +274,11 @@ def test_two_processes_with_latents_over_model_equal_one_device(source, tmp_path
                                                                  "--xla_force_host_platform_device_count=1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert_close(restored(two), restored(one), rtol=1e-5)
+    evals = [{r["step"]: [r[k] for k in ("eval_fvu", "eval_l0", "eval_dead_fraction")]
+              for r in map(json.loads, Path(out, "metrics.jsonl").read_text().splitlines()) if "eval_fvu" in r}
+             for out in (two, one)]
+    assert list(evals[0]) == [2, 4]
+    np.testing.assert_allclose(np.array(list(evals[0].values())), np.array(list(evals[1].values())), rtol=1e-5)
 
 
 def test_exports_load_in_sparsify_and_saelens_with_harvests_outputs(source, straight, tmp_path):
