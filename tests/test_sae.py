@@ -106,7 +106,8 @@ def test_two_stage_top_k_equals_the_global_one():
         np.testing.assert_array_equal(values, want_values)
         np.testing.assert_array_equal(ids, want_ids)
     for n in (1, 37, 16 * 8, 16 * 64):
-        assert float(jax.jit(lambda a, n=n: kth_largest(a, n, mesh))(placed)) == float(jax.lax.top_k(x.ravel(), n)[0][-1])
+        got = float(jax.jit(lambda a, n=n: kth_largest(a, n, mesh))(placed))
+        assert got == float(jax.lax.top_k(x.ravel(), n)[0][-1]), n
 
 
 @pytest.mark.parametrize("architecture", ["topk", "batchtopk"])
@@ -145,7 +146,8 @@ def test_latents_over_model_gather_no_rows_by_latents_array():
     rows, latents = 64, 1024
     specs = {a: M.Spec(a, 16, latents, 4, 8, 1 / 32) for a in ("topk", "batchtopk")}
     optimizers = {a: make_optimizer(1e-3, 1, 10, "linear") for a in specs}
-    shapes = {a: jax.eval_shape(lambda s=s: M.init_params(jax.random.key(0), s, jnp.zeros(16))) for a, s in specs.items()}
+    shapes = {a: jax.eval_shape(lambda s=s: M.init_params(jax.random.key(0), s, jnp.zeros(16)))
+              for a, s in specs.items()}
     shardings = state_shardings(specs, optimizers, mesh, shapes)
     step = make_step(specs, optimizers, shardings, mesh, dead_tokens=100, scales=dict.fromkeys(specs, 1.0),
                      compute_dtype="float32")
@@ -259,9 +261,9 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine(bucket, source, strai
 
 
 def test_two_processes_with_latents_over_model_equal_one_device(source, tmp_path):
-    """2 processes x 4 devices, mesh model=8 (latents split 8 ways: masked matmuls, the two-stage top-k) against one device
-    (the gathered sparse decode): the params after 4 steps agree to 1e-5, and so do the held-out metrics
-    (--eval-every 2)."""
+    """2 processes x 4 devices, mesh model=8 (latents split 8 ways: masked matmuls, the two-stage top-k) against
+    one device (the gathered sparse decode): the params after 4 steps agree to 1e-5, and so do the held-out
+    metrics (--eval-every 2)."""
     settings = ["--tokens", str(64 * 4), "--checkpoint-every", "100", "--eval-every", "2"]
     address = f"127.0.0.1:{free_port()}"
     two = str(tmp_path / "two")

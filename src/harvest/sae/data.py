@@ -91,7 +91,8 @@ def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int
             for r, run in enumerate(inputs.runs)]
 
 
-def held_out(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int, batches: int) -> dict[str, jax.Array]:
+def held_out(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
+             batches: int) -> dict[str, jax.Array]:
     """Up to `batches` batches ({tensor: [n, B, d]}) of the held-out streams, read once: the same rows at
     every evaluation during training. Refuses held-out streams shorter than one batch."""
     readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1)

@@ -2,8 +2,9 @@
 
 State: {step, params: {tensor: params}, opt_state: {tensor: Adam's}, idle: {tensor: tokens since each latent
 last fired, [L] int32}}. A batchtopk SAE's inference threshold is a param the step sets, not Adam. Every
-array with a latent dimension is split over the mesh's `model` axis; the batch over (data, fsdp). One step trains every SAE
-on its tensor's rows (sums of independent losses: one pass over the data for all of them).
+array with a latent dimension is split over the mesh's `model` axis; the batch over (data, fsdp). One step
+trains every SAE on its tensor's rows (sums of independent losses: one pass over the data for all of them).
+The evaluation (--eval-every) runs the same SAEs at inference over held-out rows.
 """
 
 from __future__ import annotations
