@@ -72,12 +72,22 @@ def _train(args: argparse.Namespace) -> int:
         print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
               f"{len(done['files'])} file(s), tokenizer files: {', '.join(done['tokenizer_files']) or 'none'}")
         return 0
+    if args.action == "eval":
+        import json
+
+        from harvest.train.trm.evaluate import evaluate
+
+        if not args.run_url or not args.data:
+            raise UserError("usage: harvest train eval RUN --data PUZZLES [--split test]")
+        print(json.dumps(evaluate(args.run_url, args.data, args.split), indent=1))
+        return 0
     if args.run_url:
         raise UserError(f"harvest train: unexpected argument {args.run_url!r} (did you mean `harvest train export`?)")
     from harvest.train.config import TrainConfig
-    from harvest.train.job import run_train
+    from harvest.train.job import run_train, train_config
 
-    summary = run_train(_config_from(args, TrainConfig))
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    summary = run_train(train_config(args.config, flags))
     how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
     print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
           f"{summary['seconds']}s")
@@ -244,13 +254,17 @@ def build_parser() -> argparse.ArgumentParser:
     from harvest.train.config import TrainConfig
 
     train = commands.add_parser(
-        "train", help="train (or resume) a decoder; `train export RUN --out DIR` writes a HF checkpoint",
+        "train", help="train (or resume) a decoder or a TRM; `train export RUN --out DIR` writes a HF checkpoint",
         description="Train a decoder (from a HF checkpoint or from scratch) on packed data, sharded over the "
         "mesh, with orbax checkpoints in --out; rerunning the same command resumes. `harvest train export RUN "
-        "--out HF_DIR [--step N]` writes a checkpoint as a HF model.",
+        "--out HF_DIR [--step N]` writes a checkpoint as a HF model. With --model a TRM (a preset name, or "
+        "{type: trm, preset: ..., overrides}) and --data a puzzle dataset it trains a TinyRecursiveModel; "
+        "`harvest train eval RUN --data PUZZLES [--split test]` gives its exact accuracy (ARC: pass@K).",
     )
-    train.add_argument("action", nargs="?", choices=["export"], help="export: write a checkpoint as a HF model")
-    train.add_argument("run_url", nargs="?", metavar="RUN", help="export: the training run's URL")
+    train.add_argument("action", nargs="?", choices=["export", "eval"],
+                       help="export: write a checkpoint as a HF model; eval: a TRM run's accuracy on --data")
+    train.add_argument("run_url", nargs="?", metavar="RUN", help="export, eval: the training run's URL")
+    train.add_argument("--split", default="test", help="eval: the puzzle dataset's split (default: test)")
     train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
     _add_config_flags(train, TrainConfig)
     train.set_defaults(run=_train)

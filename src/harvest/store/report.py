@@ -161,7 +161,7 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
     """A `harvest train` run (run.json of kind "train"): its newest metrics and checkpoints; None otherwise."""
     storage = _storage(url)
     info = storage.read_json("run.json") if storage.exists("run.json") else {}
-    if not isinstance(info, dict) or info.get("kind") not in ("train", "sae"):
+    if not isinstance(info, dict) or info.get("kind") not in ("train", "sae", "trm"):
         return None
     lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
     last = json.loads(lines[-1]) if lines else {}
@@ -169,6 +169,8 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
     config = info.get("config") or {}
     if info["kind"] == "sae":
         return _sae_status(storage, info, last, steps, now)
+    if info["kind"] == "trm":
+        return _trm_status(storage, info, last, steps, now)
     table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
                         f"params) on {info.get('mesh', '?')}", title_justify="left")
     for name in ("step", "loss", "grad norm", "lr", "tokens/s", "MFU", "checkpoints", "updated"):
@@ -196,6 +198,22 @@ def _sae_status(storage: Storage, info: dict, last: dict, steps: list[int], now:
                   f"{last['dead_fraction']:.1%}" if last else "-", f"{last['aux_loss']:.3g}" if last else "-",
                   human_count(last["tokens_per_s"]) if last else "-", ", ".join(map(str, steps[-3:])) or "none",
                   human_age(_age(updated, now or datetime.now(timezone.utc))))
+    return table
+
+
+def _trm_status(storage: Storage, info: dict, last: dict, steps: list[int], now: datetime | None) -> Table:
+    """A TRM run: its model, newest metrics (exact accuracy and halting step of the samples that halted)."""
+    model = (info.get("trm") or {}).get("model") or {}
+    table = Table(title=f"{storage.url}: training TRM ({human_count(info.get('num_params', 0))} params, H "
+                        f"{model.get('H_cycles', '?')} x L {model.get('L_cycles', '?')}) on {info.get('dataset', '?')} "
+                        f"on {info.get('mesh', '?')}", title_justify="left")
+    for name in ("step", "loss", "exact", "halt step", "lr", "tokens/s", "checkpoints", "updated"):
+        table.add_column(name, justify="right")
+    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
+    table.add_row(f"{last.get('step', 0)}/{info.get('steps', '?')}", f"{last['loss']:.4f}" if last else "-",
+                  f"{last['exact_accuracy']:.1%}" if last else "-", f"{last['halt_step']:.2f}" if last else "-",
+                  f"{last['lr']:.3g}" if last else "-", human_count(last["tokens_per_s"]) if last else "-",
+                  ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
     return table
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest.config import stable_hash
+from harvest.config import build, load_yaml, stable_hash
 from harvest.data import prompts, streams
 from harvest.errors import UserError
 from harvest.model import default_compute_dtype
@@ -38,8 +38,17 @@ from harvest.train.data import BatchFeeder, Groups, Position, row_source
 from harvest.train.optimizer import learning_rate, make_optimizer
 from harvest.train.runlog import HOLD_AT, RUN_JSON, MetricsFile, SigtermFlag, check_run
 from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
+from harvest.train.trm.settings import TrmTrainConfig, build_trm, trm_model
 
-__all__ = ["HOLD_AT", "model_config", "run_train"]
+__all__ = ["HOLD_AT", "model_config", "run_train", "train_config"]
+
+
+def train_config(yaml_path: str | None, flags: dict[str, Any]) -> TrainConfig | TrmTrainConfig:
+    """The run's config from YAML and flags: a TRM's when the model is one (see harvest.train.trm.settings)."""
+    model = trm_model(flags["model"] if flags.get("model") is not None else load_yaml(yaml_path).get("model"))
+    if model is not None:
+        return build_trm(yaml_path, flags, model)
+    return build(TrainConfig, yaml_path, flags)
 
 
 def model_config(cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Any]]:
@@ -51,8 +60,12 @@ def model_config(cfg: TrainConfig) -> tuple[ModelConfig, dict[str, Any]]:
     return model, json.loads((path / "config.json").read_text())
 
 
-def run_train(cfg: TrainConfig) -> dict[str, Any]:
+def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
     """Train (or resume) to cfg.steps; returns the summary printed at the end."""
+    if isinstance(cfg, TrmTrainConfig):
+        from harvest.train.trm.job import run_trm_train
+
+        return run_trm_train(cfg)
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
     cache.keep_compiled(not cfg.no_compile_cache)
     mesh = make_mesh(cfg.mesh or f"fsdp={jax.device_count()}")
