@@ -1,0 +1,279 @@
+"""harvest train with a TRM model, on generated sudokus: a run SIGKILLed at a random step and then SIGTERMed
+(exit 75) resumes to the state of a run never interrupted (weights, AdamATan2, EMA, puzzle embeddings, carry);
+a checkpoint in a bucket resumes on a fresh machine; 2 processes x 4 devices equal 1 device; bad input (a
+mesh that does not fit, an unknown preset, processes with different settings) is one line, exit 2, nothing
+written; ARC's pass@K undoes each augmentation and votes as the reference's evaluator; and (slow) a small TRM
+learns 6x6 sudokus to >= 90% exact test accuracy, measured by `harvest train eval`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from extract_helpers import harvest_cmd, harvest_env, run_harvest
+from test_distributed import free_port
+from test_train import read_until, run_processes, two_process_env
+
+# A tiny TRM on 4x4 sudokus: 3 supervision steps at most (the carry lives across steps, halting explores), EMA on.
+TINY = {"type": "trm", "preset": "trm-sudoku-mlp", "hidden": 16, "expansion": 2, "H_cycles": 2, "L_cycles": 1,
+        "halt_max_steps": 3, "puzzle_emb_ndim": 16, "puzzle_emb_len": 1, "lr": 3e-3, "warmup": 2,
+        "puzzle_emb_lr": 1e-2, "ema_rate": 0.9}
+STEPS = 12
+
+
+def train_args(data: str, out: str, model: dict = TINY, **more) -> list[str]:
+    settings = {"batch_size": 16, "steps": STEPS, "checkpoint_every": 3, "log_every": 1, **more}
+    return ["train", "--model", json.dumps(model), "--data", data, "--out", out,
+            *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
+
+
+def build_sudokus(out: Path, size: int, count: int, augment: int, test_size: int) -> str:
+    from harvest.puzzles.build import build_puzzles
+    from harvest.puzzles.config import PuzzlesConfig
+
+    build_puzzles("sudoku", PuzzlesConfig(out=str(out), generate=count, size=size, augment=augment,
+                                          test_size=test_size))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> dict:
+    """200 generated 4x4 sudokus (x3 with augmentations) and an env for harvest subprocesses (2 devices)
+    sharing a compile cache."""
+    root = tmp_path_factory.mktemp("trm-source")
+    env = {**harvest_env(root / "cache"), "JAX_COMPILATION_CACHE_DIR": str(root / "xla-cache")}
+    return {"data": build_sudokus(root / "sudoku4", 4, 200, 2, 50), "env": env, "root": root}
+
+
+@pytest.fixture(scope="module")
+def straight(source) -> str:
+    out = str(source["root"] / "straight")
+    done = run_harvest(*train_args(source["data"], out), env=source["env"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def restored(out: str) -> dict:
+    """The newest checkpoint's whole tree: state (params, opt_state, ema, puzzle_emb, states, key) and carry."""
+    import jax
+
+    from harvest.train.trm.evaluate import load_run
+
+    *_, state = load_run(out)
+    return jax.device_get(state)
+
+
+def assert_close(ours: dict, theirs: dict, rtol: float) -> None:
+    import jax
+
+    flat_ours, flat_theirs = jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)
+    assert len(flat_ours) == len(flat_theirs)
+    for (path, a), b in zip(flat_ours, flat_theirs):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = float(np.max(np.abs(b))) if b.size else 1.0
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * (scale or 1.0), err_msg=jax.tree_util.keystr(path))
+
+
+def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(source, straight, tmp_path):
+    """SIGKILL at a random step, then the same command held at STEPS-1 and SIGTERMed (exit 75, a checkpoint at
+    STEPS-1), then the same command to the end: the whole state and the carry equal the straight run's (1e-6);
+    metrics.jsonl has every step once; status shows the run."""
+    from rich.console import Console
+
+    from harvest.store.report import status_table
+    from harvest.train.runlog import HOLD_AT
+
+    out = str(tmp_path / "run")
+    cmd = harvest_cmd(*train_args(source["data"], out))
+    kill_at = random.Random().randint(2, STEPS - 3)
+    proc = subprocess.Popen(cmd, env=source["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    read_until(proc, f"step {kill_at}/{STEPS}")
+    proc.kill()
+    proc.wait()
+    held = {**source["env"], HOLD_AT: str(STEPS - 1)}
+    proc = subprocess.Popen(cmd, env=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    read_until(proc, f"holding at step {STEPS - 1}")
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, rest
+    assert f"step {STEPS - 1}/{STEPS} (stopped on SIGTERM" in rest, rest
+    done = run_harvest(*train_args(source["data"], out), env=source["env"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step {STEPS}/{STEPS}" in done.stdout and f"step {STEPS - 1}/" not in done.stdout, (kill_at, done.stdout)
+    ours, theirs = restored(out), restored(straight)
+    assert {"params", "opt_state", "ema", "puzzle_emb", "carry"} <= set(ours)
+    assert_close(ours, theirs, rtol=1e-6)
+    records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert {"loss", "exact_accuracy", "halt_step", "tokens_per_s"} <= set(records[-1])
+    console = Console(width=200, record=True)
+    console.print(status_table(out))
+    text = console.export_text()
+    assert f"{STEPS}/{STEPS}" in text and "TRM" in text and "sudoku" in text, text
+
+
+def test_checkpoint_in_a_bucket_resumes_on_a_fresh_machine(source, straight, tmp_path, gcs_url):
+    """SIGTERMed at step 5 with --out in a bucket, then rerun with an empty cache (no staging): it resumes
+    from the bucket to the straight run's state."""
+    from harvest.train.runlog import HOLD_AT
+
+    cmd = harvest_cmd(*train_args(source["data"], gcs_url))
+    servers = {k: v for k, v in os.environ.items() if k not in source["env"]}  # the emulator's endpoint
+    env = {**source["env"], **servers, HOLD_AT: "5"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    read_until(proc, "holding at step 5")
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, rest
+    fresh = {**env, "HARVEST_CACHE": str(tmp_path / "another-machine")}
+    fresh.pop(HOLD_AT)
+    done = run_harvest(*train_args(source["data"], gcs_url), env=fresh)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 6/" in done.stdout and "step 5/" not in done.stdout, done.stdout
+    assert_close(restored(gcs_url), restored(straight), rtol=1e-6)
+
+
+def test_two_processes_equal_one_device_and_disagreeing_ones_stop(source, tmp_path):
+    """2 processes x 4 devices (the batch and the carry over data=8) against one device: the state and the carry
+    after 4 steps agree to 1e-5. Then the 2 processes with different settings: both exit 2, nothing written."""
+    settings = {"steps": 4, "checkpoint_every": 100}
+    two = str(tmp_path / "two")
+
+    def processes(out: str, models: list[dict]) -> list[int]:
+        address = f"127.0.0.1:{free_port()}"
+        return run_processes([harvest_cmd(*train_args(source["data"], out, model, **settings), "--coordinator",
+                                          address, "--num-processes", "2", "--process-id", str(pid))
+                              for pid, model in enumerate(models)], two_process_env(tmp_path), tmp_path)
+
+    codes = processes(two, [TINY, TINY])
+    assert codes == [0, 0], [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(2)]
+    one = str(tmp_path / "one")
+    done = run_harvest(*train_args(source["data"], one, **settings),
+                       env={**source["env"], "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_close(restored(two), restored(one), rtol=1e-5)
+
+    differ = str(tmp_path / "differ")
+    codes = processes(differ, [TINY, {**TINY, "H_cycles": 3}])
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+    assert codes == [2, 2], logs
+    assert all("processes disagree on the TRM training settings" in log for log in logs), logs
+    assert not Path(differ).exists()
+
+
+def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, capsys):
+    from harvest.cli import main
+
+    out = tmp_path / "out"
+    base = ["train", "--out", str(out), "--steps", "4"]
+    model = json.dumps(TINY)
+    cases = [
+        (["--model", model, "--data", source["data"], "--mesh", "data=3"], "3 devices, but there are 8"),
+        (["--model", model, "--data", source["data"], "--mesh", "model=8"], "a TRM is replicated"),
+        (["--model", model, "--data", source["data"], "--batch-size", "12"], "not a multiple of the mesh's 8"),
+        (["--model", model, "--data", source["data"], "--batch-size", "4096"], "has only 200 examples"),
+        (["--model", json.dumps({**TINY, "preset": "trm-sudoku"}), "--data", source["data"]],
+         "unknown TRM preset 'trm-sudoku'"),
+        (["--model", json.dumps({**TINY, "H_cycle": 2}), "--data", source["data"]], "unknown TRM settings H_cycle"),
+        (["--model", json.dumps({**TINY, "H_cycles": 0}), "--data", source["data"]], "--H-cycles 0: must be at least"),
+        (["--model", model, "--data", source["data"], "--lr", "0.1"], "--lr: not a TRM setting"),
+        (["--model", model, "--data", str(tmp_path)], "no complete puzzle dataset there"),
+    ]
+    for args, message in cases:
+        assert main(base + args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("harvest: error:") and message in err[0], (args, err)
+        assert not out.exists(), args
+
+
+ARC_TASKS = {  # two tiny tasks: flip left-right; recolour 1 -> 2
+    "flip": {"train": [{"input": [[1, 0], [2, 3]], "output": [[0, 1], [3, 2]]},
+                       {"input": [[4, 5, 0]], "output": [[0, 5, 4]]}],
+             "test": [{"input": [[0, 6], [7, 0], [1, 1]], "output": [[6, 0], [0, 7], [1, 1]]}]},
+    "recolour": {"train": [{"input": [[1, 1], [0, 1]], "output": [[2, 2], [0, 2]]}],
+                 "test": [{"input": [[1, 0, 3]], "output": [[2, 0, 3]]},
+                          {"input": [[0], [1]], "output": [[0], [2]]}]},
+}
+
+
+def test_arc_pass_at_k_undoes_augmentations_and_votes(tmp_path):
+    """Predictions made in each augmented version's frame: right answers score pass@1 1 (the undoing is right);
+    with half the versions of a pair voting for one wrong grid, the tie goes to the higher mean halting
+    confidence, so pass@1 follows the confidence and pass@2 holds either way; a task without a right vote is 0."""
+    from harvest.data.arc import dihedral
+    from harvest.puzzles.arc import encode
+    from harvest.puzzles.build import build_puzzles
+    from harvest.puzzles.config import PuzzlesConfig
+    from harvest.puzzles.format import open_puzzles
+    from harvest.train.trm.evaluate import arc_pass_at
+
+    for subset in ("training", "evaluation"):
+        (tmp_path / "arc" / subset).mkdir(parents=True)
+        for name, task in ARC_TASKS.items():
+            (tmp_path / "arc" / subset / f"{name}.json").write_text(json.dumps(task))
+    build_puzzles("arc", PuzzlesConfig(out=str(tmp_path / "data"), source=str(tmp_path / "arc"), augment=3))
+    dataset = open_puzzles(str(tmp_path / "data"))
+    split = dataset.split("test")
+    ids = dataset.arrays("identifiers")
+    names = json.loads(dataset.read_file("tasks.json"))["names"]
+
+    def predictions(answer_of) -> np.ndarray:
+        """Each example's prediction: answer_of(task, pair, version) in the original frame, augmented as its
+        identifier says and encoded."""
+        preds = np.zeros_like(split["labels"])
+        for p, identifier in enumerate(split["puzzle_identifiers"]):
+            version = p % 4
+            for pair, example in enumerate(range(split["puzzle_indices"][p], split["puzzle_indices"][p + 1])):
+                grid = np.asarray(answer_of(names[ids["task"][identifier]], pair, version), np.uint8)
+                preds[example] = encode(dihedral(ids["colours"][identifier][grid], int(ids["dihedral"][identifier])))
+        return preds
+
+    def right(name, pair, version):
+        return ARC_TASKS[name]["test"][pair]["output"]
+
+    assert len(split["puzzle_identifiers"]) == 2 * 4  # each task as given and 3 augmentations
+    q = np.zeros(len(split["inputs"]))
+    assert arc_pass_at(dataset, split, split["labels"], q, ks=(1, 2)) == {"pass@1": 1.0, "pass@2": 1.0}
+    wrong = [[9, 9]]
+
+    def half_wrong(name, pair, version):
+        return wrong if name == "flip" and version >= 2 else right(name, pair, version)
+
+    preds = predictions(half_wrong)
+    wrong_examples = np.array([names[ids["task"][split["puzzle_identifiers"][p]]] == "flip" and p % 4 >= 2
+                               for p in range(8) for _ in range(split["puzzle_indices"][p + 1] - split["puzzle_indices"][p])])
+    confident_wrong = np.where(wrong_examples, 2.0, -1.0)
+    assert arc_pass_at(dataset, split, preds, confident_wrong, ks=(1, 2)) == {"pass@1": 0.5, "pass@2": 1.0}
+    assert arc_pass_at(dataset, split, preds, -confident_wrong, ks=(1, 2)) == {"pass@1": 1.0, "pass@2": 1.0}
+
+    def recolour_wrong(name, pair, version):
+        return wrong if name == "recolour" and pair == 1 else right(name, pair, version)
+
+    assert arc_pass_at(dataset, split, predictions(recolour_wrong), q, ks=(1,)) == {"pass@1": 0.75}
+
+
+@pytest.mark.slow
+def test_a_small_trm_learns_6x6_sudokus(tmp_path):
+    """The README's CPU setup (token MLP, hidden 64, H 2 x L 2, 8 supervision steps, batch 64, AdamATan2 lr 3e-3,
+    warmup 20, no EMA) on 2000 generated 6x6 sudokus x 20 augmentations: `harvest train eval` gives >= 90%
+    exact accuracy on 200 test sudokus after 600 steps (measured: see the report)."""
+    data = build_sudokus(tmp_path / "sudoku6", 6, 2000, 20, 200)
+    model = {"type": "trm", "mlp_t": True, "pos_encodings": "none", "hidden": 64, "heads": 4, "expansion": 4,
+             "H_cycles": 2, "L_cycles": 2, "halt_max_steps": 8, "puzzle_emb_ndim": 64, "puzzle_emb_len": 1,
+             "lr": 3e-3, "warmup": 20, "ema_rate": None}
+    env = {**harvest_env(tmp_path / "cache"), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = str(tmp_path / "run")
+    done = run_harvest(*train_args(data, out, model, batch_size=64, steps=600, log_every=100, checkpoint_every=1000),
+                       env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_harvest("train", "eval", out, "--data", data, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["examples"] == 200 and result["step"] == 600
+    assert result["exact_accuracy"] >= 0.9, result
