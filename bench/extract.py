@@ -24,8 +24,14 @@ row are truncated by both. Per workload:
              (a 2048^3 jnp.dot, measured in the same run).
 harvest and HF end to end alternate --rounds times; the table shows each one's fastest round.
 
+A second table, whole processes: `harvest extract` and `python bench/hf_loop.py` (the HF loop above as a script)
+as commands, timed from start to exit, imports, model load and compile included, on --process-texts texts of each
+--process-workloads kind (tiny: 3-20 words, where start-up weighs most; short as above): harvest's first job of
+a shape (compiles) and a later one (loads the compiled forward from the compile cache), against HF.
+
 Run:  .venv/bin/python bench/extract.py            (~30 minutes on 2 idle CPU cores; more when shared)
       .venv/bin/python bench/extract.py --scale 0.2 --workloads short   (a quick smoke run)
+      .venv/bin/python bench/extract.py --workloads "" --process-workloads tiny   (whole processes only)
 """
 
 from __future__ import annotations
@@ -85,8 +91,10 @@ def parse_args() -> argparse.Namespace:
     r.add_argument("--points", default="resid_post:3-5", help="capture points (default resid_post:3-5)")
     r.add_argument("--rounds", type=int, default=2, help="alternated end-to-end runs of each (default 2)")
     r.add_argument("--process-texts", type=int, default=2000,
-                   help="short texts of the whole-process comparison (`harvest extract` vs `python bench/hf_loop.py` "
+                   help="texts of the whole-process comparison (`harvest extract` vs `python bench/hf_loop.py` "
                         "as commands, start-up included; default 2000, 0: skip it)")
+    r.add_argument("--process-workloads", default="tiny,short",
+                   help="their kind: tiny (3-20 words: start-up weighs most), short (3-120 words); default both")
     r.add_argument("--shard-size", default="128MB", help="harvest shard size (default 128MB)")
     r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
@@ -132,8 +140,8 @@ def build_model(args: argparse.Namespace, root: Path) -> Path:
 def workload_texts(name: str, count: int) -> list[str]:
     """The workload's texts (ASCII: with the byte tokenizer one character is one token)."""
     rng = np.random.default_rng(0)
-    if name == "short":
-        return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(3, 121, count)]
+    if name in ("short", "tiny"):
+        return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(3, 121 if name == "short" else 21, count)]
     if name == "lognormal":
         lengths = np.clip(rng.lognormal(np.log(300), 1.0, count), 50, 2000).astype(int)
         text = " ".join(rng.choice(WORDS, size=int(lengths.sum()) // 3 + 100))
@@ -311,12 +319,12 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
 
 # --- whole processes, start-up included ---------------------------------------------------------------------
 
-def run_processes(args, model_dir: Path, root: Path) -> list[list[str]]:
+def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list[str]]:
     """`harvest extract` and `python bench/hf_loop.py` as a user runs them, timed from fork to exit: a short job
     pays each one's start-up (imports, model load, harvest's compile). harvest runs first with an empty compile
     cache (a first job), then with the cache that run left (every later job of the shape); rounds alternate."""
-    texts = workload_texts("short", args.process_texts)
-    data = write_data(texts, root / "process.jsonl")
+    texts = workload_texts(workload, args.process_texts)
+    data = write_data(texts, root / f"process-{workload}.jsonl")
     layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
     harvest_cmd = [sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
                    "--out", str(root / "process-harvest"), "--points", args.points,
@@ -334,7 +342,8 @@ def run_processes(args, model_dir: Path, root: Path) -> list[list[str]]:
         return time.perf_counter() - t
 
     seconds: dict[str, list[float]] = {"first": [], "later": [], "hf": []}
-    print(f"whole process: {len(texts)} short texts", flush=True)
+    tokens = sum(min(len(t), args.max_seq_len) for t in texts)
+    print(f"whole process: {len(texts)} {workload} texts, {tokens:,} tokens", flush=True)
     for k in range(args.rounds):
         shutil.rmtree(cache, ignore_errors=True)
         seconds["first"].append(timed(harvest_cmd))
@@ -343,7 +352,7 @@ def run_processes(args, model_dir: Path, root: Path) -> list[list[str]]:
         print(f"  round {k + 1}: harvest {seconds['first'][-1]:.1f} s (compiles), {seconds['later'][-1]:.1f} s "
               f"(compile cache), HF {seconds['hf'][-1]:.1f} s", flush=True)
     hf = min(seconds["hf"])
-    return [[what, f"{min(seconds[key]):.1f}", f"{hf / min(seconds[key]):.2f}x"]
+    return [[f"{workload}: {what}", f"{tokens:,}", f"{min(seconds[key]):.1f}", f"{hf / min(seconds[key]):.2f}x"]
             for what, key in (("harvest extract, first job (compiles)", "first"),
                               ("harvest extract, later jobs (compile cache)", "later"),
                               ("python bench/hf_loop.py", "hf"))]
@@ -365,7 +374,8 @@ def main() -> None:
         rate = matmul_rate()
         print(f"fp32 matmul rate: {rate / 1e9:.1f} GFLOP/s", flush=True)
         rows = [run_workload(args, name, model_dir, root, rate) for name in args.workloads]
-        processes = run_processes(args, model_dir, root) if args.process_texts else []
+        processes = [row for w in args.process_workloads.split(",") if args.process_texts
+                     for row in run_processes(args, model_dir, root, w)]
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -392,8 +402,8 @@ def main() -> None:
               "steady/fwd", "packing", "GFLOP/s (of matmul)"]
     show("harvest extraction vs HF transformers (CPU), tokens/s", header, rows, footer)
     if processes:
-        show(f"whole process, start-up included: {args.process_texts:,} short texts", ["command", "seconds", "HF / it"],
-             processes, "fastest of the alternated rounds; HF / it > 1: faster than the plain HF script")
+        show(f"whole process, start-up included: {args.process_texts:,} texts", ["command", "tokens", "seconds",
+             "HF / it"], processes, "fastest of the alternated rounds; HF / it > 1: faster than the plain HF script")
 
 
 if __name__ == "__main__":
