@@ -50,10 +50,11 @@ log = logging.getLogger(__name__)
 
 
 class _MirroredSaveNoise(logging.Filter):
-    """Orbax warns on every save about what it was asked for (every process primary, no
-    ocdbt): not news to a user watching the terminal."""
+    """Orbax warns on every save about what it was asked for (every process primary, no ocdbt), and on every
+    read-only open (export, eval) that it is read-only: not news to a user watching the terminal."""
 
-    NOISE = ("Global object size logging disabled for `primary_host=None`", "Skipping merge of OCDBT checkpoints")
+    NOISE = ("Global object size logging disabled for `primary_host=None`", "Skipping merge of OCDBT checkpoints",
+             "Given directory is read only", "read_only=True, setting max_to_keep=None")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.NOISE)
