@@ -54,7 +54,7 @@ class _MirroredSaveNoise(logging.Filter):
     read-only open (export, eval) that it is read-only: not news to a user watching the terminal."""
 
     NOISE = ("Global object size logging disabled for `primary_host=None`", "Skipping merge of OCDBT checkpoints",
-             "Given directory is read only", "read_only=True, setting max_to_keep=None")
+             "Given directory is read only", "CheckpointManagerOptions.read_only=True, setting")
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.NOISE)
