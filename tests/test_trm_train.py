@@ -141,8 +141,8 @@ def test_checkpoint_in_a_bucket_resumes_on_a_fresh_machine(source, straight, tmp
 
 def test_two_processes_equal_one_device_and_disagreeing_ones_stop(source, tmp_path):
     """2 processes x 4 devices (the batch and the carry over data=8) against one device: the state and the carry
-    after 4 steps agree to 1e-5 (AdamATan2's moments, gradients, to 2e-4 of their scale), and so do the losses. Then the 2 processes with different settings: both exit 2,
-    nothing written.
+    after 4 steps agree to 1e-5 (AdamATan2's moments, gradients, to 2e-4 of their scale), and so do the losses.
+    Then the 2 processes with different settings: both exit 2, nothing written.
 
     Learning rates 1e-6: AdamATan2's first steps move every weight by +-lr (atan2(m, sqrt v) does not depend on
     the gradient's size), and sign-SGD every embedding entry, so an entry whose gradient is rounding noise moves
@@ -260,8 +260,9 @@ def test_arc_pass_at_k_undoes_augmentations_and_votes(tmp_path):
         return wrong if name == "flip" and version >= 2 else right(name, pair, version)
 
     preds = predictions(half_wrong)
+    starts = split["puzzle_indices"]
     wrong_examples = np.array([names[ids["task"][split["puzzle_identifiers"][p]]] == "flip" and p % 4 >= 2
-                               for p in range(8) for _ in range(split["puzzle_indices"][p + 1] - split["puzzle_indices"][p])])
+                               for p in range(8) for _ in range(starts[p + 1] - starts[p])])
     confident_wrong = np.where(wrong_examples, 2.0, -1.0)
     assert arc_pass_at(dataset, split, preds, confident_wrong, ks=(1, 2)) == {"pass@1": 0.5, "pass@2": 1.0}
     assert arc_pass_at(dataset, split, preds, -confident_wrong, ks=(1, 2)) == {"pass@1": 1.0, "pass@2": 1.0}

@@ -213,7 +213,8 @@ def _trm_status(storage: Storage, info: dict, last: dict, steps: list[int], now:
     table.add_row(f"{last.get('step', 0)}/{info.get('steps', '?')}", f"{last['loss']:.4f}" if last else "-",
                   f"{last['exact_accuracy']:.1%}" if last else "-", f"{last['halt_step']:.2f}" if last else "-",
                   f"{last['lr']:.3g}" if last else "-", human_count(last["tokens_per_s"]) if last else "-",
-                  ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
+                  ", ".join(map(str, steps[-3:])) or "none",
+                  human_age(_age(updated, now or datetime.now(timezone.utc))))
     return table
 
 
