@@ -187,14 +187,14 @@ def build(cls: type, yaml_path: str | None, flags: dict[str, Any]):
                if f.default is dataclasses.MISSING and name not in settings]
     if missing:
         raise ConfigError(f"missing {', '.join(missing)} (as a flag or in --config)")
-    settings = {name: _coerce(name, value, str(fields[name].type), yaml_path) for name, value in settings.items()}
+    settings = {name: coerce(name, value, str(fields[name].type), yaml_path) for name, value in settings.items()}
     return cls(**settings).validate()
 
 
 _TYPES = {"int": int, "str": str, "bool": bool, "float": float, "dict": dict}
 
 
-def _coerce(name: str, value: Any, annotation: str, source: str | None) -> Any:
+def coerce(name: str, value: Any, annotation: str, source: str | None) -> Any:
     """YAML values must have the field's type (flags already do): a string where an int belongs is an error.
     A `list[str]` takes a YAML list of strings or one comma-separated string (as its flag gives it)."""
     kind = annotation.replace(" | None", "")

@@ -68,7 +68,7 @@ class TrmTrainConfig:
         sized for the dataset `info` when given."""
         chosen = self.preset()
         model, optim = (chosen.model, chosen.optim) if chosen else (TrmConfig(), TrmOptim())
-        overrides = {k: C._coerce(k, v, str((MODEL_KEYS | OPTIM_KEYS)[k].type), None)
+        overrides = {k: C.coerce(k, v, str((MODEL_KEYS | OPTIM_KEYS)[k].type), None)
                      for k, v in self.model.items() if k not in ("type", "preset")}
         model = dataclasses.replace(model, **{k: v for k, v in overrides.items() if k in MODEL_KEYS})
         optim = dataclasses.replace(optim, batch_size=self.batch_size,
