@@ -78,6 +78,13 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     distributed.agree({**agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
                        "attention": cfg.attention,
                        "mesh": describe(mesh), "batch_size": cfg.batch_size}, "the run's settings")
+    # The forward compiles from here on (it needs only shapes), beside the tokenizer's load, the checks below, the
+    # weights' load and the resume reads. Compiling writes nothing to the run; a command refused below prints its
+    # line at once and exits when the compile ends (it cannot be interrupted), leaving the program in the cache.
+    decoding = dict(compute_dtype=compute_dtype, out_dtype=cfg.dtype, replicas=replicas, moment_slots=moments.SLOTS,
+                    attention=cfg.attention)
+    compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
+                               **decoding)
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen)
@@ -92,11 +99,6 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
     leases.acquire(mine)  # --overwrite included: never delete streams that another worker holds
-    # The last refusal is behind: the forward compiles from here on, beside the weights' load and the resume reads.
-    decoding = dict(compute_dtype=compute_dtype, out_dtype=cfg.dtype, replicas=replicas, moment_slots=moments.SLOTS,
-                    attention=cfg.attention)
-    compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
-                               **decoding)
     try:
         if cfg.overwrite:
             distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
