@@ -6,6 +6,8 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import os
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -147,7 +149,17 @@ def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int
         batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, on))
         calls.append((params_shape(cfg, dtype=dtype, mesh=on, num_layers=plan.num_layers), batch, batch))
     pool = concurrent.futures.ThreadPoolExecutor(len(calls) + 1, thread_name_prefix="compile")
-    compiles = [pool.submit(lambda args: program.lower(*args).compile(), args) for args in calls]
+    compiles = [pool.submit(_compile_behind, program, args) for args in calls]
     done = pool.submit(lambda: [c.result() for c in compiles] and None)  # raises the first compile's error
     pool.shutdown(wait=False)
     return done
+
+
+def _compile_behind(program, args) -> None:
+    """Compile at a lower CPU priority than the rest of the start-up (Linux: a thread's own nice value), which
+    the first batch waits for too: the tokenizer's load, the checks, the feeder's first rows."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux: the compile competes evenly
+        pass
+    program.lower(*args).compile()
