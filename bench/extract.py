@@ -141,7 +141,8 @@ def workload_texts(name: str, count: int) -> list[str]:
     """The workload's texts (ASCII: with the byte tokenizer one character is one token)."""
     rng = np.random.default_rng(0)
     if name in ("short", "tiny"):
-        return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(3, 121 if name == "short" else 21, count)]
+        most = 120 if name == "short" else 20
+        return [" ".join(rng.choice(WORDS, size=int(n))) for n in rng.integers(3, most + 1, count)]
     if name == "lognormal":
         lengths = np.clip(rng.lognormal(np.log(300), 1.0, count), 50, 2000).astype(int)
         text = " ".join(rng.choice(WORDS, size=int(lengths.sum()) // 3 + 100))

@@ -72,13 +72,14 @@ class Host:
     cache: Path
     tmp: Path
 
-    def start(self, task: dict, tag: str, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """`prefix`: a command the task runs under (e.g. `unshare`, for a pid namespace of its own)."""
+    def start(self, task: dict, tag: str, prefix: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
+        """`prefix`: a command the task runs under (e.g. `unshare`, for a pid namespace of its own); `env`: more
+        environment (test hooks)."""
         workdir = self.tmp / f"vm-{tag}-{time.monotonic_ns()}"  # a new VM: nothing left from before
         workdir.mkdir(parents=True)
         env = {**harvest_env(self.cache, devices=2), **task["envs"], "SKYPILOT_NODE_RANK": "0",
                "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_IPS": "127.0.0.1",
-               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `harvest` as installed
+               "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}  # `harvest` as installed
         with open(workdir / "log.txt", "wb") as log:
             proc = subprocess.Popen([*prefix, "bash", "-c", task["run"]], cwd=workdir, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,7 +139,9 @@ def test_fleet_on_gcs_and_s3_with_a_killed_worker(setup, gcs_url, s3_url, tmp_pa
     host = Host(cache, tmp_path)
 
     victim = by_id["e2e/gcs/0"]
-    proc = host.start(tasks[victim.worker_id], "gcs-0")
+    # Its third shard of stream 0 waits a minute before its commit: the worker is surely mid-stream when it is
+    # killed (a whole worker's run can take a fraction of a second, faster than this test looks at storage).
+    proc = host.start(tasks[victim.worker_id], "gcs-0", env={"HARVEST_TEST_STOP_BEFORE_COMMIT": "0:2:60"})
     others = {wid: host.start(tasks[wid], wid.replace("/", "-")) for wid in ("e2e/gcs/1", "e2e/s3/0", "e2e/s3/1")}
     wait_for_commits(proc, gcs_url, victim.streams, 2)
     assert proc.poll() is None, "the worker finished before it could be killed"

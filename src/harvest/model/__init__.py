@@ -24,7 +24,8 @@ from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime import cores
 from harvest.runtime.mesh import constrainer, describe, logical_sharding, make_mesh
 
-__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "load_decoder", "parse_points"]
+__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "load_decoder",
+           "parse_points"]
 
 
 def default_compute_dtype() -> str:
@@ -94,7 +95,8 @@ def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str 
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
     return Decoder(cfg, plan, params, mesh, out_dtype, attention,
-                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [], moment_slots=moment_slots)
+                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [],
+                   moment_slots=moment_slots)
 
 
 @functools.lru_cache(maxsize=16)
