@@ -57,6 +57,23 @@ def str_list(value: str | list | tuple | None) -> list[str]:
     return [str(v).strip() for v in items if str(v).strip()]
 
 
+class RunSettings:
+    """What a run's config dataclass tells the runtime: all its settings (run.json), those a resumed run must keep
+    (RUN_FIELDS) and those every process must agree on (all but LOCAL_FIELDS)."""
+
+    RUN_FIELDS: tuple[str, ...] = ()
+    LOCAL_FIELDS: tuple[str, ...] = ("process_id",)  # settings of one process only: never compared across processes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def run_settings(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.RUN_FIELDS}
+
+    def shared_settings(self) -> dict[str, Any]:
+        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
+
+
 def check_settings(config: Any) -> None:
     """The choices and minimums the fields declare, as one-line errors naming the flag."""
     for field in dataclasses.fields(config):

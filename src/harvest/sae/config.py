@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
-from harvest.config import ConfigError, check_settings, setting, str_list
+from harvest.config import ConfigError, RunSettings, check_settings, setting, str_list
 from harvest.train.config import TrainConfig
 
 _TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
@@ -20,7 +20,7 @@ def _like_train(name: str, default: Any, help: str | None = None):
 
 
 @dataclasses.dataclass(frozen=True)
-class SaeConfig:
+class SaeConfig(RunSettings):
     run: list[str] = setting("harvest run URL(s) to train on, a YAML list or comma-separated (every batch takes "
                              "equal parts of each)")
     tensors: list[str] = setting("tensor(s) of the run, a YAML list or comma-separated, e.g. resid_post.12; one SAE "
@@ -71,7 +71,6 @@ class SaeConfig:
     # Settings a resumed run must keep: they decide which data and which SAEs the checkpoint holds.
     RUN_FIELDS = ("run", "tensors", "architecture", "latents", "expansion", "k", "batch_tokens", "normalize",
                   "holdout_streams", "mesh", "param_dtype", "seed")
-    LOCAL_FIELDS = ("process_id",)
 
     def __post_init__(self):
         """`run` and `tensors` as lists, also where Python code gives a comma-separated string."""
@@ -95,15 +94,6 @@ class SaeConfig:
     @property
     def steps(self) -> int:
         return self.tokens // self.batch_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def run_settings(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.RUN_FIELDS}
-
-    def shared_settings(self) -> dict[str, Any]:
-        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
 
     def validate(self) -> SaeConfig:
         check_settings(self)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, check_settings, setting
+from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, RunSettings, check_settings, setting
 
 _EXTRACT = {f.name: f.metadata for f in dataclasses.fields(ExtractConfig)}
 
@@ -18,7 +18,7 @@ def _like_extract(name: str, default: Any, help: str | None = None):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(RunSettings):
     data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://")
     out: str = setting("the run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
     model: str | None = setting("HF checkpoint directory or hub id to start from (or --shape); or a TRM: a preset "
@@ -61,17 +61,6 @@ class TrainConfig:
     # Settings a resumed run must keep: they decide which data and which model the checkpoint holds.
     RUN_FIELDS = ("model", "shape", "tokenizer", "data", "format", "text_field", "long", "seq_len", "batch_size",
                   "seed", "param_dtype")
-    # Settings of one process only: never compared across processes.
-    LOCAL_FIELDS = ("process_id",)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def run_settings(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.RUN_FIELDS}
-
-    def shared_settings(self) -> dict[str, Any]:
-        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
 
     def validate(self) -> TrainConfig:
         if (self.model is None) == (self.shape is None):

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from harvest import config as C
-from harvest.config import ConfigError, check_settings, setting
+from harvest.config import ConfigError, RunSettings, check_settings, setting
 from harvest.train.config import TrainConfig
 from harvest.train.trm.config import PRESETS, Preset, TrmConfig, TrmOptim
 
@@ -27,7 +27,7 @@ def _like_train(name: str, default: Any, help: str | None = None):
 
 
 @dataclasses.dataclass(frozen=True)
-class TrmTrainConfig:
+class TrmTrainConfig(RunSettings):
     model: dict = setting("the TRM: {type: trm, preset: " + " | ".join(PRESETS) + ", and any TrmConfig or TrmOptim "
                           "field (H_cycles, hidden, lr, ema_rate, ...) as an override}")
     data: str = setting("a puzzle dataset made by `harvest puzzles build`: a local directory, gs:// or s3://")
@@ -47,13 +47,6 @@ class TrmTrainConfig:
     peer_timeout: int = _like_train("peer_timeout", 60)
     no_compile_cache: bool = _like_train("no_compile_cache", False)
 
-    LOCAL_FIELDS = ("process_id",)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def shared_settings(self) -> dict[str, Any]:
-        return {k: v for k, v in self.to_dict().items() if k not in self.LOCAL_FIELDS}
 
     def preset(self) -> Preset | None:
         name = self.model.get("preset")
