@@ -1,5 +1,6 @@
-"""`harvest fleet plan`: deal the streams to workers, check everything a launch could trip on, and write
-one SkyPilot task per worker. Needs no cloud: only streams.json is read.
+"""`harvest fleet plan`: deal the streams to workers (or place a training job on its slice), check
+everything a launch could trip on, and write one SkyPilot task per worker. Needs no cloud: only the data's
+own records are read (streams.json; a TRM's dataset.json).
 
 A worker is `{fleet}/{group}/{k}` for good: its job name, lease holder and task are the same after every
 recovery, so a recovered worker takes its own leases back and resumes its own streams. Job names join the
@@ -18,22 +19,17 @@ from typing import Any
 import yaml
 from rich.table import Table
 
-from harvest import config
-from harvest.config import ExtractConfig
 from harvest.data.streams import StreamSet
 from harvest.errors import RetryLater, UserError
 from harvest.fleet.container import docker_run
+from harvest.fleet.jobs import COMMAND, INPUT, TrainingShape, check_job, config_class, flag_args, training_shape
+from harvest.fleet.puzzles import BUILD_CPUS, BUILD_NAME, PuzzlesBuild, check_puzzles
 from harvest.fleet.spec import PLAN_ENVS, FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology, topology
 from harvest.ranges import format_ranges, parse_ranges
 from harvest.runtime.mesh import mesh_shape
 
-# Settings the plan sets per worker; a fleet.yaml `extract` section may not.
-PER_WORKER = {"data": "the fleet's data", "out": "each group's out", "streams": "each group's streams",
-              "mesh": "each group's mesh", "worker_id": "the plan ({name}/{group}/{k})",
-              "coordinator": "SkyPilot's env", "num_processes": "SkyPilot's env", "process_id": "SkyPilot's env"}
-REFUSED = {"overwrite": "a recovered worker would delete what it wrote before its preemption"}
-RETRYABLE_EXIT_CODES = (RetryLater.exit_code,)  # storage unreachable for now: a rerun resumes
+RETRYABLE_EXIT_CODES = (RetryLater.exit_code,)  # storage unreachable, or a trainer stopped on SIGTERM: a rerun resumes
 COORDINATOR_PORT = 8476
 JOB_RECOVERY = "EAGER_NEXT_REGION"
 MAX_RESTARTS_ON_ERRORS = 3
@@ -64,52 +60,56 @@ class Plan:
     num_streams: int
     counts: tuple[int, ...] | None  # records per stream, from streams.json
     workers: tuple[Worker, ...]
+    training: TrainingShape | None = None  # a train: or sae: job's mesh and batch on its one group
+    build: PuzzlesBuild | None = None  # a TRM fleet's dataset, built once before its trainers start
 
     def group_workers(self, group: str) -> list[Worker]:
         return [w for w in self.workers if w.group.name == group]
 
 
 def make_plan(spec: FleetSpec) -> Plan:
-    """Check the fleet against its data (streams.json of spec.data) and deal the streams."""
+    """Check the fleet against its data and deal the streams (extraction), or place the one training job on
+    its group (train:, sae:)."""
+    if spec.job != "extract":
+        return _training_plan(spec)
     streams = StreamSet.open(spec.data)
     num_streams, counts = streams.num_streams, streams.meta.get("counts")
-    check_extract(spec)
+    check_job(spec)
     shapes = {g.name: _topology(spec, g) for g in spec.groups}
+    for g in spec.groups:
+        _check_mesh(spec, g, shapes[g.name])
     dealt = deal(spec, num_streams)
     workers = tuple(Worker(spec.name, g, k, tuple(streams), shapes[g.name])
                     for g in spec.groups for k, streams in enumerate(dealt[g.name]))
     return Plan(spec, num_streams, tuple(counts) if counts else None, workers)
 
 
-def check_extract(spec: FleetSpec) -> ExtractConfig:
-    """Every key of `extract` is a `harvest extract` setting with a valid value (checked as the CLI would)."""
-    fields = {f.name for f in dataclasses.fields(ExtractConfig)}
-    for key in spec.extract:
-        if key not in fields:
-            raise FleetError(f"{spec.path}: extract: unknown setting {key!r} (settings are those of "
-                             f"`harvest extract --help`, e.g. model, points, format, max_seq_len)")
-        if key in PER_WORKER:
-            raise FleetError(f"{spec.path}: extract: {key} is set per worker from {PER_WORKER[key]}; remove it")
-        if key in REFUSED and spec.extract[key]:
-            raise FleetError(f"{spec.path}: extract: {key} is refused in a fleet: {REFUSED[key]}")
-    try:
-        return config.build(ExtractConfig, None, {**spec.extract, "data": spec.data, "out": "planned"})
-    except UserError as e:
-        raise FleetError(f"{spec.path}: extract: {e}") from None
+def _training_plan(spec: FleetSpec) -> Plan:
+    if len(spec.groups) != 1:
+        raise FleetError(f"{spec.path}: a {spec.job}: job runs on one group (one pod slice or GPU group), got "
+                         f"{len(spec.groups)}: {', '.join(g.name for g in spec.groups)}")
+    group = spec.groups[0]
+    cfg = check_job(spec)
+    shape = _topology(spec, group)
+    training = training_shape(spec, group, shape, cfg)
+    build = check_puzzles(spec, training.trainer, group)
+    return Plan(spec, 0, None, (Worker(spec.name, group, 0, (), shape),), training, build)
 
 
 def _topology(spec: FleetSpec, group: Group) -> Topology:
     try:
-        shape = topology(group.accelerator, group.num_nodes)
+        return topology(group.accelerator, group.num_nodes)
     except UserError as e:
         raise FleetError(f"{spec.path}: group {group.name}: {e}") from None
+
+
+def _check_mesh(spec: FleetSpec, group: Group, shape: Topology) -> None:
     if group.mesh is not None:
         try:
             mesh_shape(group.mesh, shape.devices, shape.hosts)
         except UserError as e:
             raise FleetError(f"{spec.path}: group {group.name}: mesh {group.mesh} does not fit {shape.accelerator} "
                              f"({shape.describe()}, {shape.devices} devices): {e}") from None
-    return shape
 
 
 def deal(spec: FleetSpec, num_streams: int) -> dict[str, list[list[int]]]:
@@ -166,29 +166,37 @@ def _split(items: list[int], weights: list[int]) -> list[list[int]]:
 
 # the commands and tasks ----------------------------------------------------------------------------------
 
-def extract_args(worker: Worker, spec: FleetSpec) -> list[str]:
-    """`extract` and its flags for one worker: the fleet's settings, then what the plan decides."""
-    settings = dict(spec.extract)
-    settings.update(data=spec.data, out=worker.group.out, streams=format_ranges(worker.streams),
-                    worker_id=worker.worker_id, mesh=worker.group.mesh)
-    args = ["extract"]
-    for field in dataclasses.fields(ExtractConfig):
-        value = settings.get(field.name)
-        if value is None or value is False:
-            continue
-        args += [config.flag(field.name)] if value is True else [config.flag(field.name), str(value)]
-    return args
+def job_args(worker: Worker, spec: FleetSpec) -> list[str]:
+    """The harvest command and its flags for one worker: the fleet's settings, then what the plan decides."""
+    settings = dict(spec.settings)
+    g = worker.group
+    if spec.job == "extract":
+        settings.update(data=spec.data, out=g.out, streams=format_ranges(worker.streams),
+                        worker_id=worker.worker_id, mesh=g.mesh)
+    else:
+        settings.update({INPUT[spec.job]: spec.data, "out": g.out, "mesh": g.mesh or settings.get("mesh")})
+    return [*COMMAND[spec.job], *flag_args(config_class(spec), settings)]
 
 
 def _multi_node_flags() -> str:
-    """Process flags derived on each node from the env SkyPilot sets there (node 0 coordinates)."""
+    """Process flags derived on each host from the env SkyPilot sets there; the first IP is rank 0's.
+
+    SkyPilot runs a multi-node task's `run` on every node and sets SKYPILOT_NODE_IPS (the nodes' IPs, one a
+    line, in rank order), SKYPILOT_NUM_NODES and SKYPILOT_NODE_RANK on each
+    (https://docs.skypilot.co/en/stable/running-jobs/environment-variables.html, "SkyPilot environment
+    variables"; https://docs.skypilot.co/en/stable/running-jobs/distributed-jobs.html). A TPU pod slice is
+    one node of several hosts: SkyPilot runs the command on each host of the slice
+    (https://docs.skypilot.co/en/stable/reference/tpu.html, "TPU Pods") and counts every host as a node
+    there: in 0.14.1, sky/backends/cloud_vm_ray_backend.py runs `num_nodes * num_ips_per_node` (the slice's
+    host IPs) ranks, and sky/backends/task_codegen.py sets the three variables for each of them."""
     return (f'--coordinator "$(echo "$SKYPILOT_NODE_IPS" | head -n1):{COORDINATOR_PORT}" '
             '--num-processes "$SKYPILOT_NUM_NODES" --process-id "$SKYPILOT_NODE_RANK"')
 
 
 def _mounts(worker: Worker, spec: FleetSpec) -> dict[str, bool]:
     """The local paths a container must see (only with shared_paths): data and model read-only, out not."""
-    paths = {spec.data: True, worker.group.out: False, str(spec.extract.get("model") or ""): True}
+    paths = {**dict.fromkeys(spec.data.split(","), True), worker.group.out: False,
+             str(spec.settings.get("model") or ""): True}
     return {path: ro for path, ro in paths.items() if os.path.isabs(path)}
 
 
@@ -197,59 +205,81 @@ def _task_env_names(spec: FleetSpec) -> list[str]:
     return [*PLAN_ENVS, *spec.envs, *spec.secrets]
 
 
+def _process_flags(worker: Worker, spec: FleetSpec) -> bool:
+    """A job on several hosts takes its process layout from SkyPilot's env, except an extraction on one TPU
+    slice, where JAX finds its peers itself (from the TPU's metadata)."""
+    return worker.topology.hosts > 1 and not (spec.job == "extract" and worker.topology.kind == "tpu")
+
+
 def run_command(worker: Worker, spec: FleetSpec) -> str:
-    """The exact shell command each host of the worker runs. A TPU slice runs it on every host and JAX
-    finds its peers; a multi-node GPU (or CPU) group derives the process flags from SkyPilot's env. With an
-    image, a TPU host starts the container itself (harvest.fleet.container); elsewhere SkyPilot runs the
-    command inside the image it started."""
-    args = extract_args(worker, spec)
-    if spec.image is not None and worker.topology.kind == "tpu":
-        return docker_run(spec.image, args, _task_env_names(spec), _mounts(worker, spec))  # entry point: harvest
-    command = "harvest " + " ".join(shlex.quote(a) for a in args)
-    if worker.topology.kind != "tpu" and worker.group.num_nodes > 1:
-        command += " " + _multi_node_flags()
-    return command
+    """The exact shell command each host of the worker runs (SkyPilot runs it on every host). With an image,
+    a TPU host starts the container itself (harvest.fleet.container); elsewhere SkyPilot runs the command
+    inside the image it started."""
+    args = job_args(worker, spec)
+    flags = " " + _multi_node_flags() if _process_flags(worker, spec) else ""
+    if spec.image is not None and worker.topology.kind == "tpu":  # entry point: harvest; the flags' $VARs expand
+        return docker_run(spec.image, args, _task_env_names(spec), _mounts(worker, spec)) + flags  # on the host
+    return "harvest " + " ".join(shlex.quote(a) for a in args) + flags
 
 
 def task_config(worker: Worker, spec: FleetSpec) -> dict[str, Any]:
     """One SkyPilot task (as its YAML holds it) for one worker: a managed job that recovers on preemption
     and on harvest's retryable exits, in any of the group's regions."""
     g, shape = worker.group, worker.topology
+    task = _task(worker.job_name, g, spec, (spec.name, g.name, worker.worker_id), run_command(worker, spec),
+                 accelerator=shape.accelerator if shape.kind != "cpu" else None, tpu=shape.kind == "tpu")
+    if g.num_nodes > 1:
+        task["num_nodes"] = g.num_nodes
+    return task
+
+
+def build_task(build: PuzzlesBuild, spec: FleetSpec) -> dict[str, Any]:
+    """The puzzles build's task: `harvest puzzles build` once, on a CPU VM in the trainers' regions."""
+    command = "harvest " + " ".join(shlex.quote(a) for a in build.args())
+    return _task(build.job_name, build.group, spec, (spec.name, build.group.name, f"{spec.name}/{BUILD_NAME}"),
+                 command, cpus=BUILD_CPUS)
+
+
+def _task(name: str, g: Group, spec: FleetSpec, plan_envs: tuple[str, str, str], run: str, *,
+          accelerator: str | None = None, cpus: str = "4+", tpu: bool = False) -> dict[str, Any]:
     resources: dict[str, Any] = {
         "use_spot": g.spot,
         "any_of": [{"region": r} for r in g.regions],
         "job_recovery": {"strategy": JOB_RECOVERY, "max_restarts_on_errors": MAX_RESTARTS_ON_ERRORS,
                          "recover_on_exit_codes": list(RETRYABLE_EXIT_CODES)},
     }
-    if shape.kind == "cpu":
-        resources["cpus"] = "4+"
+    if accelerator is None:
+        resources["cpus"] = cpus
     else:
-        resources["accelerators"] = shape.accelerator
-    if spec.image is not None and shape.kind != "tpu":
+        resources["accelerators"] = accelerator
+    if spec.image is not None and not tpu:
         resources["image_id"] = f"docker:{spec.image}"
-    task: dict[str, Any] = {"name": worker.job_name, "resources": resources}
-    if g.num_nodes > 1:
-        task["num_nodes"] = g.num_nodes
-    plan_envs = (spec.name, g.name, worker.worker_id)
+    task: dict[str, Any] = {"name": name, "resources": resources}
     task["envs"] = {**dict(zip(PLAN_ENVS, plan_envs, strict=True)), **spec.envs}
     if spec.secrets:
         task["secrets"] = dict.fromkeys(spec.secrets)  # values: `fleet up` (harvest.fleet.launch), or --secret
     if spec.install is not None:
         task["setup"] = spec.install
-    elif shape.kind == "tpu":
+    elif tpu:
         task["setup"] = f"docker pull {shlex.quote(spec.image)}"
-    task["run"] = run_command(worker, spec)
+    task["run"] = run
     return task
 
 
+def tasks(plan: Plan) -> dict[str, dict[str, Any]]:
+    """Every task of the plan by job name: the puzzles build first, when there is one, then the workers."""
+    out = {plan.build.job_name: build_task(plan.build, plan.spec)} if plan.build else {}
+    return out | {w.job_name: task_config(w, plan.spec) for w in plan.workers}
+
+
 def emit(plan: Plan, directory: str | Path) -> list[Path]:
-    """Write one task YAML per worker, named after its job."""
+    """Write one task YAML per job, named after it."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for w in plan.workers:
-        path = out / f"{w.job_name}.yaml"
-        path.write_text(yaml.dump(task_config(w, plan.spec), Dumper=_TaskDumper, sort_keys=False, width=10_000))
+    for name, task in tasks(plan).items():
+        path = out / f"{name}.yaml"
+        path.write_text(yaml.dump(task, Dumper=_TaskDumper, sort_keys=False, width=10_000))
         paths.append(path)
     return paths
 
@@ -263,6 +293,8 @@ _TaskDumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
 
 
 def plan_table(plan: Plan) -> Table:
+    if plan.training is not None:
+        return _training_table(plan)
     table = Table(title=f"fleet {plan.spec.name}: {len(plan.workers)} workers, {plan.num_streams} streams of "
                         f"{plan.spec.data}", title_justify="left")
     for name in ("group", "worker", "accelerator", "hosts x chips", "mesh", "streams", "out"):
@@ -271,4 +303,25 @@ def plan_table(plan: Plan) -> Table:
         table.add_row(w.group.name, str(w.index), w.topology.accelerator + (" (spot)" if w.group.spot else ""),
                       f"{w.topology.hosts} x {w.topology.chips_per_host}", w.group.mesh or "data (all)",
                       format_ranges(w.streams), w.group.out)
+    return table
+
+
+_TRAINERS = {"decoder": "decoder training", "trm": "TRM training", "sae": "SAE training"}
+
+
+def _training_table(plan: Plan) -> Table:
+    """One row: the training job on its slice, its mesh and batch split; the puzzles build above it."""
+    spec, shape, (w,) = plan.spec, plan.training, plan.workers
+    table = Table(title=f"fleet {spec.name}: {_TRAINERS[shape.trainer]} on {w.topology.accelerator}, "
+                        f"from {spec.data}", title_justify="left")
+    for name in ("job", "accelerator", "hosts x chips", "devices", "mesh", "batch", "out"):
+        table.add_column(name, justify="right" if name == "devices" else "left")
+    if plan.build is not None:
+        b = plan.build
+        table.add_row(b.job_name, f"cpus {BUILD_CPUS}", "1 x 0", "-", "-",
+                      f"puzzles build {b.kind}" + (" (done: dataset present)" if b.present else " (once, first)"),
+                      b.out)
+    table.add_row(w.job_name, w.topology.accelerator + (" (spot)" if w.group.spot else ""),
+                  f"{w.topology.hosts} x {w.topology.chips_per_host}", str(w.topology.devices), shape.mesh_text,
+                  shape.batch, w.group.out)
     return table

@@ -1,5 +1,12 @@
-"""fleet.yaml as typed records: one run (`name`, `data`, `extract` settings, how to install harvest, the
+"""fleet.yaml as typed records: one run (`name`, `data`, one job's settings, how to install harvest, the
 workers' environment) and groups of identical workers. Every problem is one line naming the file and the key.
+
+The job is one of JOBS: `extract:` (`harvest extract` settings; many workers, streams dealt between them),
+`train:` (`harvest train` settings: a decoder or a TRM) or `sae:` (`harvest sae train` settings), the
+last two on one pod slice or multi-node GPU group. `data` is what the job reads: the streams for
+extraction, the training data (a puzzle dataset for a TRM), the extraction run(s) for SAEs. A TRM fleet
+may add `puzzles:` (`harvest puzzles build` settings and the `kind`): the dataset at `data` is then built
+once, by one job, before the trainers start.
 
 The workers are cloud VMs: they see object storage and the hub, not the planning machine's files. So `data`
 and each group's `out` must be gs:// or s3:// URLs and `model` a hub id, unless `shared_paths: true` says
@@ -15,6 +22,7 @@ from typing import Any
 
 from harvest.config import read_yaml
 from harvest.errors import UserError
+from harvest.train.trm.config import PRESETS as TRM_PRESETS
 
 # Job names join names with dots (harvest.fleet.plan.Worker.job_name): a name holds none, so no two
 # (fleet, group) pairs give one job name; a leading letter and single dashes keep it a SkyPilot task name.
@@ -23,7 +31,8 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PLAN_ENVS = ("HARVEST_FLEET", "HARVEST_GROUP", "HARVEST_WORKER_ID")  # set by the plan on every worker
 _REMOTE = ("gs://", "s3://")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # as harvest.model.weights.resolve_checkpoint reads --model
-_TOP_KEYS = {"name", "data", "extract", "install", "image", "groups", "envs", "secrets", "shared_paths"}
+JOBS = ("extract", "train", "sae")  # the sections naming the fleet's job; exactly one is given
+_TOP_KEYS = {"name", "data", *JOBS, "puzzles", "install", "image", "groups", "envs", "secrets", "shared_paths"}
 _GROUP_KEYS = {"name", "accelerator", "regions", "workers", "spot", "streams", "out", "mesh", "num_nodes"}
 
 
@@ -48,9 +57,11 @@ class Group:
 class FleetSpec:
     path: str  # where it was read from, for messages
     name: str
-    data: str  # a streams directory (streams.json)
-    extract: dict[str, Any]  # `harvest extract` settings, as in --config run.yaml
+    data: str  # what the job reads: a streams directory, a training source or puzzle dataset, SAE input runs
+    job: str  # one of JOBS
+    settings: dict[str, Any]  # the job's settings (`harvest extract`, `train` or `sae train`), as in --config
     groups: tuple[Group, ...]
+    puzzles: dict[str, Any] | None = None  # `harvest puzzles build` settings and `kind`, built once into data
     install: str | None = None  # a setup command, e.g. pip install 'harvest[tpu,gcs]==0.2.0'
     image: str | None = None  # or a docker image holding harvest
     envs: dict[str, str] = dataclasses.field(default_factory=dict)  # set on every worker (in the task YAML)
@@ -67,7 +78,15 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     top = _mapping(raw, where, "the file", _TOP_KEYS)
     name = _name(_required(top, where, "name", str), where, "name")
     data = _required(top, where, "data", str)
-    extract = _optional(top, where, "extract", dict, {})
+    given = [job for job in JOBS if top.get(job) is not None]
+    if len(given) != 1:
+        raise FleetError(f"{where}: give exactly one job section, {', '.join(JOBS)} (its settings), "
+                         f"got {', '.join(given) or 'none'}")
+    job = given[0]
+    settings = {str(k).replace("-", "_"): v for k, v in _required(top, where, job, dict).items()}
+    puzzles = _optional(top, where, "puzzles", dict, None)
+    if puzzles is not None and job != "train":
+        raise FleetError(f"{where}: puzzles: builds a TRM's dataset; it goes with a train: job, not {job}:")
     install, image = _optional(top, where, "install", str), _optional(top, where, "image", str)
     if (install is None) == (image is None):
         raise FleetError(f"{where}: give exactly one of install (a setup command) or image (a docker image)")
@@ -82,11 +101,12 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
             raise FleetError(f"{where}: two groups are named {g.name!r}; group names must be unique")
         seen.add(g.name)
     envs, secrets = _envs(top, where)
-    extract = {str(k).replace("-", "_"): v for k, v in extract.items()}
-    if isinstance(extract.get("model"), str):
-        extract["model"] = _model(extract["model"], where, shared)
-    return FleetSpec(where, name, _url(data, where, "data", shared), extract, groups, install, image, envs, secrets,
-                     shared)
+    for key in ("model", "tokenizer"):
+        if isinstance(settings.get(key), str) and not settings[key].lstrip().startswith("{"):
+            settings[key] = _model(settings[key], where, shared, f"{job}: {key}")
+    data = ",".join(_url(d.strip(), where, "data", shared) for d in data.split(",")) if job == "sae" else \
+        _url(data, where, "data", shared)
+    return FleetSpec(where, name, data, job, settings, groups, puzzles, install, image, envs, secrets, shared)
 
 
 def _url(spec: str, where: str, key: str, shared: bool) -> str:
@@ -101,17 +121,20 @@ def _url(spec: str, where: str, key: str, shared: bool) -> str:
     return spec if "://" in spec else os.path.abspath(spec)
 
 
-def _model(model: str, where: str, shared: bool) -> str:
-    """A hub id every worker downloads; a local path (made absolute) only with shared paths."""
+def _model(model: str, where: str, shared: bool, key: str) -> str:
+    """A hub id every worker downloads (or a TRM preset's name); a local path (made absolute) only with
+    shared paths."""
     local = Path(model).expanduser()
     if local.exists():
         if shared:
             return str(local.absolute())
-        raise FleetError(f"{where}: extract: model {model!r} is a path on this machine, which the fleet's workers "
+        raise FleetError(f"{where}: {key} {model!r} is a path on this machine, which the fleet's workers "
                          f"(cloud VMs) cannot see: give a hub id such as Qwen/Qwen2.5-0.5B, or set shared_paths: "
                          f"true if every worker sees this path")
+    if model in TRM_PRESETS:
+        return model
     if not shared and not (_HUB_ID.fullmatch(model) and model.split("/")[0] not in (".", "..")):
-        raise FleetError(f"{where}: extract: model {model!r} is not a hub id (owner/name), and the fleet's workers "
+        raise FleetError(f"{where}: {key} {model!r} is not a hub id (owner/name), and the fleet's workers "
                          f"(cloud VMs) see no path of this machine: give a hub id such as Qwen/Qwen2.5-0.5B, or "
                          f"set shared_paths: true if every worker sees this path")
     return model

@@ -1,6 +1,8 @@
 """`harvest fleet status`: one table per group, a row per worker, joining SkyPilot's job state with what
 storage says of the worker's streams (committed sidecars, progress.json), then fleet totals and an ETA.
-A stream whose worker has not reported for a while is stale: the command says so and exits 1."""
+A stream whose worker has not reported for a while is stale: the command says so and exits 1.
+A training fleet (train:, sae:) shows its one job instead: step, loss, tokens/s and the last checkpoint,
+from the run's own records in its bucket (harvest.fleet.progress); stale when running but silent."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harvest.fleet.plan import Plan, Worker
+from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progress
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
@@ -58,6 +61,62 @@ class FleetStatus:
     @property
     def finished(self) -> bool:
         return all(w.done == len(w.streams) for w in self.workers)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStatus:
+    plan: Plan
+    job: JobRecord | None
+    progress: TrainingProgress
+    build: JobRecord | None  # the puzzles build's job, where the fleet has one
+    now: float
+
+    @property
+    def state(self) -> str:
+        return self.job.status if self.job else "NOT LAUNCHED"
+
+    @property
+    def stale(self) -> bool:
+        age = self.progress.age(self.now)
+        return self.state == "RUNNING" and age is not None and age > STALE_AFTER_S
+
+    @property
+    def finished(self) -> bool:
+        return self.job is not None and not self.job.active
+
+
+def training_status(plan: Plan, jobs: Jobs, *, now: float | None = None) -> TrainingStatus:
+    queued = {job.name: job for job in jobs.queue()}
+    (worker,) = plan.workers
+    return TrainingStatus(plan, queued.get(worker.job_name), read_progress(worker.group.out),
+                          queued.get(plan.build.job_name) if plan.build else None, now or time.time())
+
+
+def render_training(status: TrainingStatus) -> list[RenderableType]:
+    plan, p, job = status.plan, status.progress, status.job
+    (worker,) = plan.workers
+    g = worker.group
+    table = Table(title=f"{g.name}: {g.accelerator} in {', '.join(g.regions)} -> {g.out}", title_justify="left")
+    for name in ("job", "state", "region", "recoveries", "step", p.loss_name, "tokens/s", "checkpoint",
+                 "last metrics"):
+        table.add_column(name, justify="left" if name in ("job", "state", "region") else "right")
+    steps = plan.training.steps
+    age = p.age(status.now)
+    table.add_row(worker.job_name, Text(status.state, style=_JOB_STYLE.get(status.state, "red")),
+                  (job.region if job else None) or "-", str(job.recoveries if job else "-"),
+                  "-" if p.step is None else f"{p.step}/{steps if steps is not None else '?'}",
+                  "-" if p.loss is None else f"{p.loss:.4g}",
+                  human_count(p.tokens_per_s) if p.tokens_per_s else "-",
+                  "-" if p.checkpoint is None else f"step {p.checkpoint}",
+                  Text(human_age(age) + (" STALE" if status.stale else ""), style="bold red" if status.stale else ""))
+    out: list[RenderableType] = [table]
+    if plan.build is not None:
+        state = status.build.status if status.build else ("done before" if plan.build.present else "NOT LAUNCHED")
+        out.append(Text(f"puzzles build {plan.build.job_name}: {state} -> {plan.build.out}"))
+    if status.stale:
+        out.append(Text(f"stale: {worker.job_name} is RUNNING but has logged no metrics to {g.out} for "
+                        f"{human_age(age).replace(' ago', '')}", style="bold red"))
+    return out
 
 
 def _pending(stream: int, total: int | None) -> dict[str, Any]:
@@ -143,6 +202,8 @@ def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
          console: Console | None = None, now: datetime | None = None) -> int:
     """Print the status (live with `watch`, until every stream is done); 1 when a stream is stale."""
     console = console or Console()
+    if plan.training is not None:
+        return _show_training(plan, jobs, watch, interval, console)
     status = fleet_status(plan, jobs, now=now)
     if not watch:
         for renderable in render(status):
@@ -154,6 +215,23 @@ def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
                 time.sleep(interval)
                 status = fleet_status(plan, jobs)
                 live.update(Renderables(*render(status)))
+    except KeyboardInterrupt:
+        pass
+    return 1 if status.stale else 0
+
+
+def _show_training(plan: Plan, jobs: Jobs, watch: bool, interval: float, console: Console) -> int:
+    status = training_status(plan, jobs)
+    if not watch:
+        for renderable in render_training(status):
+            console.print(renderable)
+        return 1 if status.stale else 0
+    try:
+        with Live(Renderables(*render_training(status)), console=console, refresh_per_second=1) as live:
+            while not status.finished:
+                time.sleep(interval)
+                status = training_status(plan, jobs)
+                live.update(Renderables(*render_training(status)))
     except KeyboardInterrupt:
         pass
     return 1 if status.stale else 0

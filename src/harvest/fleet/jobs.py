@@ -1,0 +1,158 @@
+"""The kinds of job a fleet runs (fleet.yaml's `extract:`, `train:` or `sae:`) and what the plan needs of
+each: the harvest command, the settings the plan sets itself, and the check of the fleet's section as that
+command checks its own settings (the command's config validation, called, not copied).
+
+A training job (`train:` a decoder or a TRM, `sae:`) is one group of `workers: 1`: one pod slice or one
+multi-node GPU group whose hosts run one multi-controller JAX program. The plan refuses here, in one line,
+what its first start would: a mesh that does not fit the slice, a batch that does not split over the data
+axes (data x fsdp), a setting the command refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from harvest import config
+from harvest.config import ExtractConfig
+from harvest.errors import UserError
+from harvest.fleet.spec import FleetError, FleetSpec, Group
+from harvest.fleet.topology import Topology
+from harvest.runtime.mesh import mesh_shape
+
+_PROCESS = {"coordinator": "SkyPilot's env", "num_processes": "SkyPilot's env", "process_id": "SkyPilot's env"}
+# Settings the plan sets per worker; the job's section may not.
+PLANNED = {
+    "extract": {"data": "the fleet's data", "out": "each group's out", "streams": "each group's streams",
+                "mesh": "each group's mesh", "worker_id": "the plan ({name}/{group}/{k})", **_PROCESS},
+    "train": {"data": "the fleet's data", "out": "the group's out", **_PROCESS},
+    "sae": {"run": "the fleet's data", "out": "the group's out", **_PROCESS},
+}
+REFUSED = {"overwrite": "a recovered worker would delete what it wrote before its preemption"}
+COMMAND = {"extract": ("extract",), "train": ("train",), "sae": ("sae", "train")}
+INPUT = {"extract": "data", "train": "data", "sae": "run"}  # the setting the fleet's `data` fills
+DEFAULT_MESH = {"decoder": "fsdp={}", "trm": "data={}", "sae": "data={}"}  # as each trainer defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingShape:
+    """A training job on its group: the mesh it will run on and how its global batch splits."""
+
+    trainer: str  # "decoder" | "trm" | "sae"
+    mesh: dict[str, int]  # axis sizes
+    batch: str  # e.g. "256 rows, 8 per data slot"
+    steps: int | None  # the run's last step, where the settings say (a TRM's default comes from its dataset)
+
+    @property
+    def mesh_text(self) -> str:
+        return ",".join(f"{axis}={size}" for axis, size in self.mesh.items() if size > 1) or "data=1"
+
+
+def trainer(spec: FleetSpec) -> str:
+    """decoder, trm or sae (the train: section's model names a TRM, as `harvest train` reads it)."""
+    if spec.job == "sae":
+        return "sae"
+    from harvest.train.trm.settings import trm_model
+
+    try:
+        return "trm" if trm_model(spec.settings.get("model")) is not None else "decoder"
+    except UserError as e:
+        raise FleetError(f"{spec.path}: train: {e}") from None
+
+
+def config_class(spec: FleetSpec) -> type:
+    if spec.job == "extract":
+        return ExtractConfig
+    if spec.job == "sae":
+        from harvest.sae.config import SaeConfig
+
+        return SaeConfig
+    from harvest.train.config import TrainConfig
+    from harvest.train.trm.settings import TrmTrainConfig
+
+    return TrmTrainConfig if trainer(spec) == "trm" else TrainConfig
+
+
+def check_job(spec: FleetSpec) -> Any:
+    """Every key of the job's section is a setting of its command with a valid value, checked by the
+    command's own validation; returns the config the command would run with (its `out` a placeholder)."""
+    cls, job = config_class(spec), spec.job
+    command = "harvest " + " ".join(COMMAND[job])
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in spec.settings:
+        if key not in fields:
+            raise FleetError(f"{spec.path}: {job}: unknown setting {key!r} (settings are those of "
+                             f"`{command} --help`{', for a TRM' if cls.__name__.startswith('Trm') else ''})")
+        if key in PLANNED[job]:
+            raise FleetError(f"{spec.path}: {job}: {key} is set per worker from {PLANNED[job][key]}; remove it")
+        if key in REFUSED and spec.settings[key]:
+            raise FleetError(f"{spec.path}: {job}: {key} is refused in a fleet: {REFUSED[key]}")
+    flags = {**spec.settings, INPUT[job]: spec.data, "out": "planned"}
+    try:
+        if job == "train":
+            from harvest.train.job import train_config
+
+            return train_config(None, flags)  # exactly as `harvest train` builds and checks its settings
+        return config.build(cls, None, flags)
+    except UserError as e:
+        raise FleetError(f"{spec.path}: {job}: {e}") from None
+
+
+def training_shape(spec: FleetSpec, group: Group, shape: Topology, cfg: Any) -> TrainingShape:
+    """The group's mesh on its slice and the batch's split over the data axes, or one line saying why not."""
+    where = f"{spec.path}: group {group.name}"
+    if group.workers != 1:
+        raise FleetError(f"{where}: workers {group.workers}: a {spec.job}: job runs on one pod slice or GPU group "
+                         f"(workers: 1; a bigger accelerator, e.g. tpu-v4-64, or num_nodes for GPUs, for more chips)")
+    if group.streams != "auto":
+        raise FleetError(f"{where}: streams {group.streams}: streams are dealt to extraction workers; remove it")
+    kind = trainer(spec)
+    if group.mesh is not None and cfg.mesh is not None and group.mesh != cfg.mesh:
+        raise FleetError(f"{where}: mesh {group.mesh} and {spec.job}: mesh {cfg.mesh} differ; give the mesh once")
+    spec_text = group.mesh or cfg.mesh or DEFAULT_MESH[kind].format(shape.devices)
+    try:
+        mesh = mesh_shape(spec_text, shape.devices, shape.hosts)
+    except UserError as e:
+        raise FleetError(f"{where}: mesh {spec_text} does not fit {shape.accelerator} ({shape.describe()}, "
+                         f"{shape.devices} devices): {e}") from None
+    if kind == "trm" and mesh["model"] > 1:
+        raise FleetError(f"{where}: mesh {spec_text}: a TRM is replicated, not split over model; put the devices "
+                         f"on data and fsdp")
+    slots = mesh["data"] * mesh["fsdp"]
+    rows, what = _batch_rows(kind, cfg)
+    if rows % slots:
+        raise FleetError(f"{where}: {what} = {rows} does not split over the mesh's {slots} data slots (data x fsdp "
+                         f"of {spec_text} on {shape.accelerator}); use a multiple of {slots}")
+    unit = "tokens" if kind == "sae" else "rows" if kind == "decoder" else "examples"
+    return TrainingShape(kind, mesh, f"{rows} {unit}, {rows // slots} per data slot", cfg.steps)
+
+
+def _batch_rows(kind: str, cfg: Any) -> tuple[int, str]:
+    """What each trainer splits over its data slots per step (a micro-batch, a batch, one run's part)."""
+    if kind == "decoder":
+        return cfg.batch_size // cfg.grad_accum, f"batch_size {cfg.batch_size} / grad_accum {cfg.grad_accum}"
+    if kind == "trm":
+        return cfg.batch_size, "batch_size"
+    runs = len(cfg.run)
+    return cfg.batch_tokens // runs, f"batch_tokens {cfg.batch_tokens}" + (f" / {runs} runs" if runs > 1 else "")
+
+
+def flag_args(cls: type, settings: dict[str, Any]) -> list[str]:
+    """The flags (in the config's field order) for `settings`: what the command's CLI parses back."""
+    args: list[str] = []
+    for field in dataclasses.fields(cls):
+        value = settings.get(field.name)
+        if value is None or value is False:
+            continue
+        args += [config.flag(field.name)] if value is True else [config.flag(field.name), _flag_value(value)]
+    return args
+
+
+def _flag_value(value: Any) -> str:
+    """A mapping as the JSON object its flag takes (--model of a TRM, --shape), a list comma-separated."""
+    if isinstance(value, dict):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
