@@ -68,3 +68,31 @@ def record(job_id: int, name: str, status: str, recoveries: int = 0, region: str
     return {"job_id": job_id, "task_id": 0, "job_name": name, "task_name": name, "resources": "1x[TPU]",
             "submitted_at": 1.7e9, "end_at": None, "job_duration": 60.0, "recovery_count": recoveries,
             "status": status, "region": region, "pool": None}
+
+
+# The seeds' training workloads as fleets: a decoder on a v4-64 with the seed's (data 4, model 4, fsdp 2) mesh,
+# a TRM on a v4-64 (its `data` filled in by the test: a bucket holding a puzzle dataset), SAEs on 2 GPU nodes.
+DECODER_POD = {
+    "name": "qwen-pretrain",
+    "data": "gs://corpus-us/fineweb-edu-streams",
+    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
+    "train": {"model": "Qwen/Qwen2.5-0.5B", "seq_len": 2048, "batch_size": 256, "steps": 20000,
+              "mesh": "data=4,model=4,fsdp=2", "checkpoint_every": 500},
+    "groups": [{"name": "v4-pod", "accelerator": "tpu-v4-64", "regions": ["us-central2"], "workers": 1,
+                "out": "gs://checkpoints-us/qwen-pretrain"}],
+}
+TRM_POD = {
+    "name": "trm-sudoku",
+    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
+    "train": {"model": {"type": "trm", "preset": "trm-sudoku-mlp"}, "batch_size": 768, "checkpoint_every": 1000},
+    "groups": [{"name": "v4-pod", "accelerator": "tpu-v4-64", "regions": ["us-central2", "us-east1"],
+                "workers": 1, "out": "gs://checkpoints-us/trm-sudoku"}],
+}
+SAE_GPUS = {
+    "name": "sae-qwen05",
+    "data": "gs://activations-us/arc-qwen05,gs://activations-eu/arc-qwen05",
+    "install": "pip install 'harvest[cuda,gcs]==0.2.0'",
+    "sae": {"tensors": ["resid_post.12", "resid_post.18"], "expansion": 32, "k": 64, "batch_tokens": 8192},
+    "groups": [{"name": "h100s", "accelerator": "H100:8", "num_nodes": 2, "regions": ["us-east4"], "workers": 1,
+                "spot": False, "mesh": "data=2,model=8", "out": "gs://saes-us/qwen05"}],
+}

@@ -68,22 +68,29 @@ def config_class(spec: FleetSpec) -> type:
         from harvest.sae.config import SaeConfig
 
         return SaeConfig
+    decoder, trm = _train_classes()
+    return trm if trainer(spec) == "trm" else decoder
+
+
+def _train_classes() -> tuple[type, type]:
     from harvest.train.config import TrainConfig
     from harvest.train.trm.settings import TrmTrainConfig
 
-    return TrmTrainConfig if trainer(spec) == "trm" else TrainConfig
+    return TrainConfig, TrmTrainConfig
 
 
 def check_job(spec: FleetSpec) -> Any:
     """Every key of the job's section is a setting of its command with a valid value, checked by the
     command's own validation; returns the config the command would run with (its `out` a placeholder)."""
-    cls, job = config_class(spec), spec.job
+    job = spec.job
     command = "harvest " + " ".join(COMMAND[job])
-    fields = {f.name for f in dataclasses.fields(cls)}
+    # train: a decoder's setting given to a TRM (or the reverse) is refused by `harvest train` itself, below
+    classes = _train_classes() if job == "train" else (config_class(spec),)
+    fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
     for key in spec.settings:
         if key not in fields:
             raise FleetError(f"{spec.path}: {job}: unknown setting {key!r} (settings are those of "
-                             f"`{command} --help`{', for a TRM' if cls.__name__.startswith('Trm') else ''})")
+                             f"`{command} --help`)")
         if key in PLANNED[job]:
             raise FleetError(f"{spec.path}: {job}: {key} is set per worker from {PLANNED[job][key]}; remove it")
         if key in REFUSED and spec.settings[key]:
@@ -94,7 +101,7 @@ def check_job(spec: FleetSpec) -> Any:
             from harvest.train.job import train_config
 
             return train_config(None, flags)  # exactly as `harvest train` builds and checks its settings
-        return config.build(cls, None, flags)
+        return config.build(config_class(spec), None, flags)
     except UserError as e:
         raise FleetError(f"{spec.path}: {job}: {e}") from None
 
