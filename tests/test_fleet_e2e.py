@@ -206,3 +206,83 @@ def test_a_stopped_worker_resumed_after_its_replacement_exits_without_writing(se
     assert wait(old, timeout=60) == 3, log_of(old)  # lost the stream: stops, says so in one line
     assert committed_files(s3_url) == before  # the old worker wrote nothing after it woke
     assert_equals_reference(s3_url, reference, list(worker.streams))
+
+
+# a training fleet: a TRM's puzzles built once, then the trainer; status from the run in its bucket --------------
+
+class HostJobs(RecordedJobs):
+    """SkyPilot's queue where each launched task runs at once, to its end, on a fresh local "VM" (Host); its
+    record then says SUCCEEDED or FAILED by the exit code, as a managed job's does. Notes whether the fleet's
+    data held a complete dataset when each job was launched."""
+
+    def __init__(self, host: Host, data: str):
+        super().__init__()
+        self.host, self.data = host, data
+        self.logs: dict[str, str] = {}
+        self.dataset_at_launch: dict[str, bool] = {}
+
+    def launch(self, task: dict, name: str) -> None:
+        from harvest.fleet.puzzles import dataset_present
+
+        self.dataset_at_launch[name] = dataset_present(self.data)
+        super().launch(task, name)
+        proc = self.host.start(task, name)
+        code = wait(proc, timeout=600)
+        self.logs[name] = log_of(proc)
+        self.records[-1]["status"] = "SUCCEEDED" if code == 0 else "FAILED"
+
+
+def trm_fleet(path: Path, bucket: str, **puzzles) -> Path:
+    from test_trm_train import TINY
+
+    return write_fleet(path, {
+        "name": "trm-e2e", "data": f"{bucket}/sudoku4", "install": "pip install harvest",
+        "train": {"model": TINY, "batch_size": 16, "steps": 6, "checkpoint_every": 3, "log_every": 1},
+        "puzzles": {"kind": "sudoku", "size": 4, "augment": 1, **puzzles},
+        "groups": [{"name": "pod", "accelerator": "cpu", "regions": ["local"], "workers": 1,
+                    "out": f"{bucket}/trm"}]})
+
+
+def test_a_trm_fleet_builds_its_puzzles_once_then_trains_and_status_reads_the_run(gcs_url, tmp_path):
+    """`fleet up` runs the one puzzles build, starts the trainer only once the dataset is committed, and a
+    second `up` launches nothing; `fleet status` then shows the step, loss, tokens/s and last checkpoint that
+    the real `harvest train` run wrote to its bucket (fake-gcs-server)."""
+    from harvest.fleet import launch
+
+    bucket = gcs_url.rsplit("/", 1)[0]
+    plan = make_plan(load_fleet(trm_fleet(tmp_path / "fleet.yaml", bucket, generate=100, test_size=20)))
+    assert plan.build is not None and not plan.build.present
+    jobs = HostJobs(Host(tmp_path / "cache", tmp_path), plan.spec.data)
+    said: list[str] = []
+    launched, kept = launch.up(plan, jobs, poll=0.1, say=said.append)
+    assert jobs.launched == ["trm-e2e.puzzles", "trm-e2e.pod.0"], jobs.logs
+    assert jobs.dataset_at_launch == {"trm-e2e.puzzles": False, "trm-e2e.pod.0": True}
+    assert [r["status"] for r in jobs.records] == ["SUCCEEDED", "SUCCEEDED"], jobs.logs
+    assert [w.job_name for w in launched] == ["trm-e2e.pod.0"] and not kept
+    assert said[0].startswith("puzzles build trm-e2e.puzzles running") and "dataset ready" in said[1]
+    assert launch.up(make_plan(plan.spec), jobs, poll=0.1, say=said.append) == ([], list(plan.workers))
+    assert len(jobs.launched) == 2  # built once, trained once
+
+    lines = Storage(f"{bucket}/trm").read_bytes("metrics.jsonl").decode().splitlines()
+    last = json.loads(lines[-1])
+    console = Console(record=True, width=200)
+    assert status.show(make_plan(plan.spec), jobs, console=console) == 0
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "trm-e2e.pod.0" in line)
+    assert last["step"] == 6 and "SUCCEEDED" in row and "6/6" in row and "step 6" in row, text
+    assert f"{last['loss']:.4g}" in row, text
+    assert "puzzles build trm-e2e.puzzles: SUCCEEDED" in text
+
+
+def test_a_failed_puzzles_build_stops_up_before_any_trainer_starts(gcs_url, tmp_path):
+    from harvest.errors import UserError
+    from harvest.fleet import launch
+
+    bucket = gcs_url.rsplit("/", 1)[0]
+    path = trm_fleet(tmp_path / "fleet.yaml", bucket, train=f"{bucket}/no-such.csv", test=f"{bucket}/no-such.csv")
+    plan = make_plan(load_fleet(path))
+    jobs = HostJobs(Host(tmp_path / "cache", tmp_path), plan.spec.data)
+    with pytest.raises(UserError, match="puzzles build trm-e2e.puzzles ended FAILED without writing a dataset") as e:
+        launch.up(plan, jobs, poll=0.1, say=lambda line: None)
+    assert len(str(e.value).splitlines()) == 1 and str(path) in str(e.value)
+    assert jobs.launched == ["trm-e2e.puzzles"]  # no pod asked for
