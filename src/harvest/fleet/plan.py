@@ -318,7 +318,7 @@ def _training_table(plan: Plan) -> Table:
         table.add_column(name, justify="right" if name == "devices" else "left")
     if plan.build is not None:
         b = plan.build
-        table.add_row(b.job_name, f"cpus {BUILD_CPUS}", "1 x 0", "-", "-",
+        table.add_row(b.job_name, f"cpus {BUILD_CPUS}", "1 (cpu)", "-", "-",
                       f"puzzles build {b.kind}" + (" (done: dataset present)" if b.present else " (once, first)"),
                       b.out)
     table.add_row(w.job_name, w.topology.accelerator + (" (spot)" if w.group.spot else ""),

@@ -175,7 +175,8 @@ def render(status: FleetStatus) -> list[RenderableType]:
             ages = [r["age"] for r in w.streams if r["age"] is not None]
             stale = w.stale
             table.add_row(w.worker.worker_id, Text(w.state, style=_JOB_STYLE.get(w.state, "red")),
-                          (w.job.region if w.job else None) or "-", str(w.job.recoveries if w.job else "-"), format_ranges(w.worker.streams),
+                          (w.job.region if w.job else None) or "-", str(w.job.recoveries if w.job else "-"),
+                          format_ranges(w.worker.streams),
                           f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
                           human_count(w.total("rate")) if w.total("rate") else "-",
                           Text(human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
@@ -187,7 +188,8 @@ def render(status: FleetStatus) -> list[RenderableType]:
     records, tokens, rate = (sum(w.total(k) for w in ws) for k in ("records", "tokens", "rate"))
     done, streams = sum(w.done for w in ws), sum(len(w.streams) for w in ws)
     running = sum(w.state == "RUNNING" for w in ws)
-    line = (f"fleet {status.plan.spec.name}: {done}/{streams} streams done, records {_records(records, _sum_total(ws))}, "
+    line = (f"fleet {status.plan.spec.name}: {done}/{streams} streams done, "
+            f"records {_records(records, _sum_total(ws))}, "
             f"{human_count(rate) if rate else 0} tokens/s, {running}/{len(ws)} workers running, "
             f"eta {_eta(records, _sum_total(ws), tokens, rate)}")
     out.append(Text(line, style="bold"))
