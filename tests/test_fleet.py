@@ -2,7 +2,10 @@
 into SkyPilot tasks that SkyPilot itself loads; every refusal one line, local paths included; an image's
 command forwards the environment by name and runs under an init; job names of different fleets never meet;
 `up` idempotent and `status` joined with storage, through the one SkyPilot module fed recorded job records
-(no cloud is reachable here); the accelerator table against Google's documents."""
+(no cloud is reachable here); the accelerator table against Google's documents. Training jobs: a decoder and
+a TRM on a v4-64 and SAEs on two GPU nodes plan into tasks SkyPilot loads whose command, on every host, takes
+its process layout from SkyPilot's env; their refusals (mesh, batch, settings, workers, a missing dataset) one
+line each; a TRM's puzzles build as its own task; a stale trainer seen from its metrics in a bucket."""
 
 from __future__ import annotations
 
@@ -591,3 +594,55 @@ def test_a_trm_fleet_with_puzzles_plans_the_build_first_as_its_own_cpu_task(tmp_
     present = write_fleet(tmp_path / "present.yaml", {**fleet, "data": f"{puzzles_bucket}/sudoku4"})
     code, out, err = run_cli(capsys, "fleet", "plan", str(present))
     assert code == 0 and "(done: dataset present)" in out, err
+
+
+def test_a_training_job_in_an_image_on_a_tpu_slice_passes_each_hosts_rank_into_the_container(tmp_path,
+                                                                                             puzzles_bucket):
+    """With an image, a TPU host starts the container itself: the process flags, expanded by the host's shell
+    from SkyPilot's env, reach harvest inside it (a `docker` on PATH prints what it was given)."""
+    fleet = {**TRM_POD, "data": f"{puzzles_bucket}/sudoku4", "image": "registry.example/harvest:0.2.0"}
+    del fleet["install"]
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
+    task = task_config(plan.workers[0], plan.spec)
+    assert task["setup"] == "docker pull registry.example/harvest:0.2.0" and task["run"].startswith("docker run ")
+    docker = tmp_path / "bin" / "docker"
+    docker.parent.mkdir()
+    docker.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    docker.chmod(0o755)
+    for rank in (0, 7):
+        env = {"PATH": f"{docker.parent}:/usr/bin:/bin", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n",
+               "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "8"}
+        done = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, check=True)
+        argv = json.loads(done.stdout)
+        harvest_args = argv[argv.index("registry.example/harvest:0.2.0") + 1:]
+        args = build_parser().parse_args(harvest_args)
+        assert (args.command, args.coordinator, args.num_processes, args.process_id) == \
+            ("train", "10.0.0.5:8476", 8, rank)
+
+
+def test_status_of_a_running_trainer_that_stopped_logging_is_stale(tmp_path, gcs_server):
+    """The trainer's own metrics writer (harvest.train.runlog.MetricsFile) in a bucket: a RUNNING job whose
+    newest record is older than the stale limit makes `fleet status` say so and exit 1; a fresh one exits 0."""
+    import time
+
+    from harvest.fleet.progress import STALE_AFTER_S
+    from harvest.storage import Storage
+    from harvest.train.runlog import MetricsFile
+
+    bucket = f"fleet-train-{os.getpid()}"
+    create_gcs_bucket(gcs_server, bucket)
+    fleet = {**DECODER_POD, "groups": [{**DECODER_POD["groups"][0], "out": f"gs://{bucket}/qwen"}]}
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
+    jobs = RecordedJobs([record(1, plan.workers[0].job_name, "RUNNING", recoveries=1, region="us-central2")])
+    metrics = MetricsFile(Storage(f"gs://{bucket}/qwen"), 0)
+    for step, age in ((10, STALE_AFTER_S + 600), (20, STALE_AFTER_S + 60)):
+        metrics.append({"step": step, "loss": 3.25 - step / 100, "tokens_per_s": 51_234.0, "time": time.time() - age})
+    console = Console(record=True, width=200)
+    assert status.show(plan, jobs, console=console) == 1
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "qwen-pretrain.v4-pod.0" in line)
+    for cell in ("RUNNING", "us-central2", "20/20000", "3.05", "51.2K", "31m ago STALE"):
+        assert cell in row, text
+    assert "stale: qwen-pretrain.v4-pod.0 is RUNNING but has logged no metrics" in text
+    metrics.append({"step": 30, "loss": 2.95, "tokens_per_s": 50_000.0, "time": time.time()})
+    assert status.show(plan, jobs, console=Console(record=True, width=200)) == 0

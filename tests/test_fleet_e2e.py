@@ -4,7 +4,10 @@ that see this machine's paths (`shared_paths`), run as local processes with the 
 other). One worker is SIGKILLed and its command rerun, as a recovery would; `fleet status` shows the stale
 streams in between; `harvest verify` over both buckets passes and the shards equal those of one
 uninterrupted local run. A worker stopped (SIGSTOP) while its replacement (on "another VM": a pid namespace
-of its own) takes its streams stops with exit 3 when resumed, having written nothing more."""
+of its own) takes its streams stops with exit 3 when resumed, having written nothing more. A TRM fleet builds
+its puzzles once, with a real `harvest puzzles build`, before its real `harvest train` starts (~45 s of the
+test: the trainer's start and compile on 2 busy cores), and `fleet status` reads that run's progress from
+fake-gcs-server."""
 
 from __future__ import annotations
 

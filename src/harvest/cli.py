@@ -334,13 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     fleet = commands.add_parser(
         "fleet", help="a multi-region run of many workers from one fleet.yaml, on SkyPilot managed jobs",
-        description="plan needs no cloud (it reads streams.json); up, status and down call SkyPilot "
+        description="One job per fleet.yaml: extract (many workers, streams dealt between them), train (a "
+        "decoder or a TRM) or sae (one pod slice or multi-node GPU group). plan needs no cloud (it reads "
+        "streams.json, or a TRM's dataset.json); up, status and down call SkyPilot "
         "in its own environment (pipx install 'skypilot[gcp]==0.14.1'; found through `sky` on PATH).",
     )
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True, metavar="ACTION")
-    for action, text in (("plan", "deal streams to workers, check the fleet, print the plan"),
+    for action, text in (("plan", "deal streams to workers (or place the training job), check the fleet, print "
+                                  "the plan"),
                          ("up", "launch the workers that are not already running (idempotent)"),
-                         ("status", "job state and storage progress per worker; exit 1 when a stream is stale"),
+                         ("status", "job state and storage progress per worker (a trainer: step, loss, tokens/s, "
+                                    "checkpoint); exit 1 when stale"),
                          ("down", "cancel the fleet's running workers")):
         sub = fleet_commands.add_parser(action, help=text, description=text)
         sub.add_argument("fleet", metavar="FLEET.yaml")
