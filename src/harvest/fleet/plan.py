@@ -185,10 +185,11 @@ def _multi_node_flags() -> str:
     line, in rank order), SKYPILOT_NUM_NODES and SKYPILOT_NODE_RANK on each
     (https://docs.skypilot.co/en/stable/running-jobs/environment-variables.html, "SkyPilot environment
     variables"; https://docs.skypilot.co/en/stable/running-jobs/distributed-jobs.html). A TPU pod slice is
-    one node of several hosts: SkyPilot runs the command on each host of the slice
-    (https://docs.skypilot.co/en/stable/reference/tpu.html, "TPU Pods") and counts every host as a node
-    there: in 0.14.1, sky/backends/cloud_vm_ray_backend.py runs `num_nodes * num_ips_per_node` (the slice's
-    host IPs) ranks, and sky/backends/task_codegen.py sets the three variables for each of them."""
+    one node of several hosts: SkyPilot runs setup and run on every host of the pod, one rank per host
+    (https://docs.skypilot.co/en/latest/reference/tpu.html, "Multi-Host TPU Pods": its log shows head rank=0,
+    worker1 rank=1, ...). In 0.14.1's code, sky/backends/cloud_vm_ray_backend.py runs `num_nodes *
+    num_ips_per_node` (the slice's host IPs) ranks, and sky/backends/task_codegen.py sets the three
+    variables for each of them."""
     return (f'--coordinator "$(echo "$SKYPILOT_NODE_IPS" | head -n1):{COORDINATOR_PORT}" '
             '--num-processes "$SKYPILOT_NUM_NODES" --process-id "$SKYPILOT_NODE_RANK"')
 
