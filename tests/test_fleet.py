@@ -646,3 +646,21 @@ def test_status_of_a_running_trainer_that_stopped_logging_is_stale(tmp_path, gcs
     assert "stale: qwen-pretrain.v4-pod.0 is RUNNING but has logged no metrics" in text
     metrics.append({"step": 30, "loss": 2.95, "tokens_per_s": 50_000.0, "time": time.time()})
     assert status.show(plan, jobs, console=Console(record=True, width=200)) == 0
+
+
+def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path, puzzles_bucket):
+    """`up` launches the slice's one job (its task as plan writes it), a second `up` none; a recovered job is
+    left alone; `down` cancels it and a running puzzles build."""
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", DECODER_POD)))
+    jobs = RecordedJobs()
+    launched, kept = launch.up(plan, jobs)
+    assert [w.job_name for w in launched] == ["qwen-pretrain.v4-pod.0"] and not kept
+    assert jobs.tasks == [task_config(plan.workers[0], plan.spec)]
+    assert "--process-id \"$SKYPILOT_NODE_RANK\"" in jobs.tasks[0]["run"]
+    jobs.records[-1]["status"] = "RECOVERING"
+    assert launch.up(plan, jobs) == ([], list(plan.workers))
+    assert [w.job_name for w in launch.down(plan, jobs)] == ["qwen-pretrain.v4-pod.0"]
+    fleet = {**TRM_POD, "data": f"{puzzles_bucket}/not-yet", "puzzles": {"kind": "sudoku", "generate": 10}}
+    trm = make_plan(load_fleet(write_fleet(tmp_path / "trm.yaml", fleet)))
+    jobs = RecordedJobs([record(1, "trm-sudoku.puzzles", "RUNNING")])
+    assert launch.down(trm, jobs) == [] and jobs.cancelled == ["trm-sudoku.puzzles"]
