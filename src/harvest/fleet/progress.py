@@ -12,6 +12,7 @@ import time
 from harvest.storage import Storage
 from harvest.store import step_parts
 
+TAIL_BYTES = 64 * 1024  # the newest record is in the file's last bytes (a week's file holds ~100k records)
 # A running trainer that has logged nothing for this long is stale (a hung host, a stuck collective).
 STALE_AFTER_S = 30 * 60
 
@@ -35,13 +36,18 @@ def read_progress(out: str) -> TrainingProgress:
     from harvest.train.runlog import METRICS
 
     storage = Storage(out)
-    last: dict = {}
-    if storage.exists(METRICS):
-        lines = storage.read_bytes(METRICS).decode().splitlines()
-        last = json.loads(lines[-1]) if lines else {}
+    last = _last_record(storage, METRICS) if storage.exists(METRICS) else {}
     checkpoints = storage.child(CHECKPOINTS)
     copies = step_parts.complete(checkpoints) if checkpoints.exists() else []
     name = "loss" if "loss" in last or "fvu" not in last else "fvu"
     return TrainingProgress(step=last.get("step"), loss=last.get(name), loss_name=name,
                             tokens_per_s=last.get("tokens_per_s"), checkpoint=copies[0][0] if copies else None,
                             updated=last.get("time"))
+
+
+def _last_record(storage: Storage, name: str) -> dict:
+    """The last complete line of a JSON-lines file, from a ranged read of its tail."""
+    size = storage.size(name)
+    tail = storage.read_range(name, max(0, size - TAIL_BYTES), size).decode(errors="replace")
+    lines = [line for line in tail.splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else {}
