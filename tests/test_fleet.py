@@ -9,8 +9,10 @@ line each; a TRM's puzzles build as its own task; a stale trainer seen from its 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import io
 import json
 import os
 import shlex
@@ -453,10 +455,26 @@ def _training_fleets(puzzles_bucket: str) -> dict[str, dict]:
     return {"decoder": DECODER_POD, "trm": {**TRM_POD, "data": f"{puzzles_bucket}/sudoku4"}, "sae": SAE_GPUS}
 
 
+@pytest.fixture(scope="module")
+def training_tasks(puzzles_bucket, tmp_path_factory) -> dict[str, tuple]:
+    """Each training fleet planned by the CLI (its printed table) into a task file, all loaded by SkyPilot's
+    parser in one call (its import takes seconds)."""
+    planned = {}
+    for kind, fleet in _training_fleets(puzzles_bucket).items():
+        root = tmp_path_factory.mktemp(f"fleet-{kind}")
+        path = write_fleet(root / "fleet.yaml", fleet)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            assert main(["fleet", "plan", str(path), "--emit", str(root / "tasks")]) == 0
+        plan = make_plan(load_fleet(path))
+        planned[kind] = (fleet, plan, printed.getvalue(), root / "tasks" / f"{plan.workers[0].job_name}.yaml")
+    loaded = _load_tasks([task for *_, task in planned.values()])
+    return {kind: (*planned[kind][:3], task) for kind, task in zip(planned, loaded, strict=True)}
+
+
 @pytest.mark.parametrize("kind, accelerator, nodes, hosts", [
     ("decoder", {"tpu-v4-64": 1}, 1, 8), ("trm", {"tpu-v4-64": 1}, 1, 8), ("sae", {"H100": 8}, 2, 2)])
 def test_training_fleets_emit_tasks_skypilot_loads_that_run_one_process_per_host(
-        kind, accelerator, nodes, hosts, puzzles_bucket, tmp_path, capsys):
+        kind, accelerator, nodes, hosts, training_tasks, tmp_path):
     """Each kind of training job on its group: one task SkyPilot's parser loads (accelerator, node count,
     recovery in the next region and on exit 75), whose command on every host is the real CLI's, with the
     coordinator (rank 0's IP), the process count and this host's rank from SkyPilot's env, and settings that
@@ -464,15 +482,10 @@ def test_training_fleets_emit_tasks_skypilot_loads_that_run_one_process_per_host
     from harvest.fleet.jobs import config_class
     from harvest.train.job import train_config
 
-    fleet = _training_fleets(puzzles_bucket)[kind]
-    path = write_fleet(tmp_path / "fleet.yaml", fleet)
-    code, out, err = run_cli(capsys, "fleet", "plan", str(path), "--emit", str(tmp_path / "tasks"))
-    assert code == 0, err
+    fleet, plan, out, task = training_tasks[kind]
     assert "wrote 1 SkyPilot task files" in out
-    plan = make_plan(load_fleet(path))
     (worker,) = plan.workers
     assert worker.topology.hosts == hosts
-    (task,) = _load_tasks([tmp_path / "tasks" / f"{worker.job_name}.yaml"])
     assert task["name"] == f"{fleet['name']}.{fleet['groups'][0]['name']}.0"
     assert task["num_nodes"] == nodes
     for resources in task["resources"]:
