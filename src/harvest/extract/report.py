@@ -72,7 +72,7 @@ class Progress:
             total=manifest.records if manifest.final else self.totals.get(manifest.stream),
             shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
             updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing)
-        self.out.write_bytes(f"{fmt.stream_dir(manifest.stream)}/progress.json", record.to_bytes())
+        self.out.write_bytes(fmt.progress_path(manifest.stream), record.to_bytes())
 
     def line(self) -> str:
         with self._lock:

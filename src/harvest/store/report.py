@@ -19,13 +19,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from harvest.errors import UserError
 from harvest.ranges import format_ranges
-from harvest.store import format as fmt
 from harvest.store import step_parts
 from harvest.storage import Storage
-from harvest.store.listing import covered_streams, list_sidecars, read_run_info, stream_count
-from harvest.store.records import Progress, RunInfo, Sidecar
+from harvest.store.listing import covered_streams, read_chains, read_progress, read_run_info, stream_count
+from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot, shard_samples
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
@@ -85,33 +83,13 @@ class RunScanner:
         self.threads = threads
         self._sidecars: dict[tuple[int, int], Sidecar] = {}
 
-    def _scan_stream(self, stream: int) -> dict[str, Any]:
-        sdir = fmt.stream_dir(stream)
-        names = list_sidecars(self.storage, stream)
-        committed: list[Sidecar] = []
-        for expected, name in enumerate(names):  # the contiguous run from shard 0, as a resume sees it
-            k = int(name[len("shard_"):-len(".json")])
-            if k != expected:
-                break
-            if (stream, k) not in self._sidecars:
-                try:
-                    self._sidecars[(stream, k)] = Sidecar.from_bytes(self.storage.read_bytes(f"{sdir}/{name}"))
-                except (ValueError, UserError):
-                    break
-            committed.append(self._sidecars[(stream, k)])
-        progress = None
-        try:
-            if self.storage.exists(f"{sdir}/progress.json"):
-                progress = Progress.from_bytes(self.storage.read_bytes(f"{sdir}/progress.json"))
-        except (ValueError, UserError):
-            progress = None  # being rewritten; status is for show
-        return {"stream": stream, "committed": committed, "progress": progress}
-
     def scan(self) -> list[dict[str, Any]]:
-        if len(self.streams) <= 1:
-            return [self._scan_stream(s) for s in self.streams]
-        with ThreadPoolExecutor(max_workers=min(self.threads, len(self.streams))) as pool:
-            return list(pool.map(self._scan_stream, self.streams))
+        """Each stream's committed chain up to any break (lenient: status shows a broken run; verify says
+        what is wrong) and its progress.json."""
+        chains = read_chains(self.storage, self.streams, strict=False, known=self._sidecars)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(self.streams)))) as pool:
+            progress = list(pool.map(lambda s: read_progress(self.storage, s), self.streams))
+        return [{"stream": s, "committed": chains[s], "progress": p} for s, p in zip(self.streams, progress)]
 
 
 def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -358,12 +336,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
 def _packing(storage: Storage, streams: list[int]) -> float | None:
     """Real tokens / row slots computed, over the streams' progress.json (each stream's latest session)."""
     real = slots = 0
-    for stream in streams:
-        rel = f"{fmt.stream_dir(stream)}/progress.json"
-        try:
-            progress = Progress.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
-        except (ValueError, UserError):
-            continue  # being rewritten: progress.json is for show
+    for progress in (read_progress(storage, stream) for stream in streams):
         if progress is not None and len(progress.packing) == 2:
             real, slots = real + progress.packing[0], slots + progress.packing[1]
     return real / slots if slots else None
