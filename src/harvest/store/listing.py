@@ -133,7 +133,8 @@ def _chain(storage: Storage, stream: int, numbers: list[int], sidecars: dict, st
                        "stream are committed (lost from storage, or an --overwrite cut short): the stream cannot be "
                        "read or resumed past it; rerun with --overwrite to start it over")
         elif isinstance(sidecar := sidecars[(stream, number)], str):
-            problem = f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else is wrong"
+            problem = (f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else "
+                       "is wrong")
         elif chain and chain[-1].final:
             problem = (f"{storage.url_of(rel)}: a shard after the stream's final shard {number - 1}; `harvest verify` "
                        "shows what else is wrong")

@@ -163,7 +163,8 @@ def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
         tensors = fmt.decode_shard(data)
         for name, want in (sidecar.tensor_sha256 or {}).items():
             if name not in tensors or fmt.sha256(tensors[name].reshape(-1).view(np.uint8)) != want:
-                raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
+                raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar "
+                                 f"({want[:12]}...)")
         return tensors
     except ValueError as e:
         raise CorruptShardError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None

@@ -38,7 +38,8 @@ from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
-from harvest.store.listing import SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info, read_sidecar
+from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
+                                   read_sidecar)
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
