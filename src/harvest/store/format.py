@@ -213,10 +213,10 @@ def tensor_parts(parts: list) -> dict[str, list]:
     return grouped
 
 
-def sha256(data: bytes | list) -> str:
-    """Hex sha256 of bytes, or of parts written one after another."""
+def sha256(data: bytes | np.ndarray | list) -> str:
+    """Hex sha256 of bytes (or one array's), or of parts written one after another."""
     digest = hashlib.sha256()
-    for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+    for part in [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data:
         digest.update(part)
     return digest.hexdigest()
 
