@@ -93,13 +93,14 @@ def read_sidecar(storage: Storage, stream: int, shard: int) -> Sidecar:
 
 
 def read_chains(storage: Storage, streams: list[int], *, strict: bool = True,
-                known: dict[tuple[int, int], Sidecar] | None = None) -> dict[int, list[Sidecar]]:
-    """Each stream's chain of committed shards; sidecars are read in parallel (those in `known`, a cache
-    of sidecars already read, are not read again: a committed sidecar never changes). Strict: UserError in
-    one line for a gap, a damaged sidecar, or one that does not continue its predecessor; lenient: each
-    chain up to its first break."""
+                known: dict[tuple[int, int], Sidecar] | None = None, threads: int = _IO_THREADS
+                ) -> dict[int, list[Sidecar]]:
+    """Each stream's chain of committed shards; listings and sidecars are read `threads` at a time (those in
+    `known`, a cache of sidecars already read, are not read again: a committed sidecar never changes).
+    Strict: UserError in one line for a gap, a damaged sidecar, or one that does not continue its
+    predecessor; lenient: each chain up to its first break."""
     known = {} if known is None else known
-    numbers = dict(zip(streams, _map(lambda s: sidecar_numbers(storage, s), streams)))
+    numbers = dict(zip(streams, _map(lambda s: sidecar_numbers(storage, s), streams, threads)))
     wanted = [(s, k) for s in streams for k in _contiguous(numbers[s]) if (s, k) not in known]
 
     def read(job: tuple[int, int]) -> Sidecar | str:
@@ -112,16 +113,17 @@ def read_chains(storage: Storage, streams: list[int], *, strict: bool = True,
                 raise
             return str(e)
 
-    read_now = dict(zip(wanted, _map(read, wanted)))
+    read_now = dict(zip(wanted, _map(read, wanted, threads)))
     for key, sidecar in read_now.items():
         if isinstance(sidecar, Sidecar):
             known[key] = sidecar
     return {s: _chain(storage, s, numbers[s], {**read_now, **known}, strict) for s in streams}
 
 
-def read_chain(storage: Storage, stream: int, *, strict: bool = True) -> list[Sidecar]:
-    """One stream's chain of committed shards (see read_chains)."""
-    return read_chains(storage, [stream], strict=strict)[stream]
+def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
+    """One stream's chain of committed shards, strict, read in order on the caller's thread: a writer's
+    resume point (see read_chains)."""
+    return read_chains(storage, [stream], threads=1)[stream]
 
 
 def _chain(storage: Storage, stream: int, numbers: list[int], sidecars: dict, strict: bool) -> list[Sidecar]:
@@ -164,8 +166,8 @@ def read_progress(storage: Storage, stream: int) -> Progress | None:
         return None
 
 
-def _map(fn, items: list) -> list:
-    if len(items) <= 1:
+def _map(fn, items: list, threads: int) -> list:
+    if len(items) <= 1 or threads <= 1:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(max_workers=min(_IO_THREADS, len(items))) as pool:
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
         return list(pool.map(fn, items))
