@@ -31,8 +31,9 @@ def training_status(url: str | Storage, now: datetime | None = None) -> Table | 
         return _sae_status(storage, info, last, steps, now)
     if info["kind"] == "trm":
         return _trm_status(storage, info, last, steps, now)
-    table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
-                        f"params) on {info.get('mesh', '?')}", title_justify="left")
+    table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} "
+                        f"({human_count(info.get('num_params', 0))} params) on {info.get('mesh', '?')}",
+                  title_justify="left")
     for name in ("step", "loss", "grad norm", "lr", "tokens/s", "MFU", "checkpoints", "updated"):
         table.add_column(name, justify="right")
     updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
