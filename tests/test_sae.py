@@ -339,7 +339,7 @@ def test_eval_every_logs_the_held_out_metrics(source, straight):
 def test_eval_reads_the_held_out_stream_and_status_shows_the_run(source, straight):
     from rich.console import Console
 
-    from harvest.store.report import status_table
+    from harvest.train.status import training_status
 
     done = run_harvest("sae", "eval", straight, "--tokens", "2000", env=source["env"])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -347,7 +347,7 @@ def test_eval_reads_the_held_out_stream_and_status_shows_the_run(source, straigh
     assert 0 < result["fvu"] < 1 and 0 < result["l0"] <= BASE["k"] and result["tokens"] >= 1000
     assert sum(result["firing_histogram"].values()) == round(256 * (1 - result["dead_fraction"]))
     console = Console(width=200, record=True)
-    console.print(status_table(straight))
+    console.print(training_status(straight))
     text = console.export_text()
     assert f"{STEPS}/{STEPS}" in text and TENSOR in text and "topk" in text, text
 

@@ -107,8 +107,8 @@ def assert_trees_close(ours: dict, theirs: dict, rtol: float):
 def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from harvest.store import report
-    from harvest.store.report import status_table
+    from harvest.train import status
+    from harvest.train.status import training_status
 
     out = tmp_path / "run"
     summary = train(shape=TINY_SHAPE, tokenizer=str(tokenizer_dir), data=str(arc_streams), format="arc",
@@ -123,16 +123,16 @@ def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokeniz
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["grad_norm"] > 0 for r in logged)
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
     console = Console(width=200, record=True)
-    console.print(status_table(str(out)))
+    console.print(training_status(str(out)))
     text = console.export_text()
     assert "training llama" in text and "40/40" in text and f"{last:.4f}" in text
 
     def ctrl_c(seconds):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(report.time, "sleep", ctrl_c)  # `status --watch` refreshes until Ctrl-C: one refresh here
+    monkeypatch.setattr(status.time, "sleep", ctrl_c)  # `status --watch` refreshes until Ctrl-C: one refresh here
     console = Console(width=200, record=True)
-    report.watch(str(out), interval=1, console=console)
+    status.watch(str(out), interval=1, console=console)
     text = console.export_text()
     assert "training llama" in text and "40/40" in text
 
@@ -241,7 +241,7 @@ def read_until(proc: subprocess.Popen, text: str, timeout_s: float = 120) -> Non
 
 def flip_a_params_byte(out: Path, step: int) -> str:
     """Flip the last byte of a params chunk of `step` (its newest copy); the chunk's name."""
-    from harvest.store.records import CheckpointPart
+    from harvest.train.step_parts import CheckpointPart
 
     part = sorted((out / "checkpoints" / str(step)).glob("*/process_00000.json"))[-1]
     name = next(e["name"] for e in CheckpointPart.from_bytes(part.read_bytes()).files
@@ -433,10 +433,10 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
     from harvest.cli import main
     from harvest.model.config import ModelConfig
     from harvest.model.weights import to_hf
-    from harvest.store import step_parts
+    from harvest.train import step_parts
     from harvest.storage import Storage
-    from harvest.store.records import CheckpointPart
-    from harvest.store.report import status_table
+    from harvest.train.step_parts import CheckpointPart
+    from harvest.train.status import training_status
 
     url = gcs_url
     settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
@@ -468,7 +468,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
     assert_trees_close(ours, bucket_reference, rtol=1e-6)
     assert [json.loads(line)["step"] for line in Storage(url).read_bytes("metrics.jsonl").splitlines()] == [1, 2, 3, 4]
     console = Console(width=200, record=True)
-    console.print(status_table(url))
+    console.print(training_status(url))
     assert re.search(r"\b4/\d.* 4 ", console.export_text())  # step 4 of a run made for 2, then 4; checkpoint 4
 
     assert main(["train", "export", url, "--out", str(tmp_path / "export")]) == 0
@@ -491,7 +491,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
 def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, text_data, tokenizer_dir, tmp_path):
     """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
     bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
-    from harvest.store import step_parts
+    from harvest.train import step_parts
     from harvest.storage import Storage
 
     flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in BUCKET_RUN.items()]

@@ -86,7 +86,7 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(source, str
     metrics.jsonl has every step once; status shows the run."""
     from rich.console import Console
 
-    from harvest.store.report import status_table
+    from harvest.train.status import training_status
     from harvest.train.runlog import HOLD_AT
 
     out = str(tmp_path / "run")
@@ -113,7 +113,7 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(source, str
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert {"loss", "exact_accuracy", "halt_step", "tokens_per_s"} <= set(records[-1])
     console = Console(width=200, record=True)
-    console.print(status_table(out))
+    console.print(training_status(out))
     text = console.export_text()
     assert f"{STEPS}/{STEPS}" in text and "TRM" in text and "sudoku" in text, text
 

@@ -163,11 +163,13 @@ def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from harvest.store import report
+    from harvest.train import status as training
 
+    table = training.training_status(args.url)  # None: an extraction run
     if args.watch:
-        report.watch(args.url, args.interval)
+        (report if table is None else training).watch(args.url, args.interval)
     else:
-        Console().print(report.status_table(args.url))
+        Console().print(report.status_table(args.url) if table is None else table)
     return 0
 
 

@@ -1,5 +1,8 @@
 """What a running extraction shows: a live progress bar (or log lines off a terminal), progress.json
-per stream for `harvest status`, and the end-of-run summary of what was skipped, truncated or chunked."""
+per stream for `harvest status`, and the end-of-run summary of what was skipped, truncated or chunked.
+
+A resume re-packs the row that holds its stream's resume point, so pieces before that point are computed
+again: the live line counts only pieces past it, and the summary's totals are the committed shards'."""
 
 from __future__ import annotations
 
@@ -32,9 +35,12 @@ class Progress:
         self.worker = worker
         self.started = time.monotonic()
         self._lock = threading.Lock()
+        self.resumed = {s: resume[s].next for s in totals}
         self.records = {s: resume[s].next[0] for s in totals}
-        self.samples = {s: resume[s].samples for s in totals}
-        self.tokens = {s: resume[s].tokens for s in totals}
+        self.samples = {s: resume[s].samples for s in totals}  # committed, then pieces computed past it (live)
+        # What the committed shards hold, per stream: [records, samples, tokens] (the summary's totals).
+        self.committed_totals = {s: [resume[s].next[0], resume[s].samples, resume[s].tokens] for s in totals}
+        self.tokens_committed = 0  # committed by this process
         self.session_tokens = 0  # computed in this process, for the rate
         self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
         self.long: Counter = Counter()
@@ -48,11 +54,15 @@ class Progress:
             self.session_tokens += row.used
             self.packing[stream][0] += row.used
             self.packing[stream][1] += len(row.tokens)
-            self.samples[stream] += len(row.events)
+            self.samples[stream] += sum(piece.pos >= self.resumed[stream] for piece, _ in row.events)
 
     def committed(self, manifest: Sidecar) -> None:
         with self._lock:
             self.shards += 1
+            totals = self.committed_totals[manifest.stream]
+            totals[:] = [manifest.records if manifest.final else manifest.next[0], totals[1] + manifest.samples,
+                         totals[2] + manifest.tokens]
+            self.tokens_committed += manifest.tokens
             self.long.update(manifest.long)
             self.skipped.extend(manifest.skipped)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
@@ -62,7 +72,7 @@ class Progress:
             total=manifest.records if manifest.final else self.totals.get(manifest.stream),
             shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
             updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing)
-        self.out.write_bytes(f"{fmt.stream_dir(manifest.stream)}/progress.json", record.to_bytes())
+        self.out.write_bytes(fmt.progress_path(manifest.stream), record.to_bytes())
 
     def line(self) -> str:
         with self._lock:
@@ -115,16 +125,17 @@ def _every(seconds: float, tick):
 
 
 def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Progress) -> dict[str, Any]:
-    """The end-of-run account: nothing truncated, skipped or chunked goes unsaid."""
+    """The end-of-run account: what the streams' committed shards hold (as `harvest verify` counts it), what
+    this process computed, and nothing truncated, skipped or chunked unsaid."""
     reasons = Counter(s["reason"].split(" (")[0] for s in progress.skipped)
     real, slots = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
     return {
         "out": out.url,
         "streams": len(chosen),
-        "records": sum(progress.records.values()),
-        "samples": sum(progress.samples.values()),
-        "tokens": sum(progress.tokens.values()) + progress.session_tokens,
-        "tokens_this_run": progress.session_tokens,
+        "records": sum(records for records, _, _ in progress.committed_totals.values()),
+        "samples": sum(samples for _, samples, _ in progress.committed_totals.values()),
+        "tokens": sum(tokens for _, _, tokens in progress.committed_totals.values()),
+        "tokens_this_run": progress.tokens_committed,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
         "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots

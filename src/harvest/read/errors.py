@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from harvest.errors import UserError
+from harvest.store.listing import CorruptShardError  # raised by the store's reads of committed shards too
+
+__all__ = ["CorruptShardError", "StateError", "UnknownTensorError"]
 
 
 class UnknownTensorError(UserError, KeyError):
@@ -10,10 +13,6 @@ class UnknownTensorError(UserError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class CorruptShardError(UserError):
-    """A committed shard whose bytes do not match its sidecar."""
 
 
 class StateError(UserError):

@@ -1,7 +1,7 @@
 """A shard's bytes as token batches fetch them: rows of a tensor as one ranged read (or a view of the mapped
 local file), the header checked against the sidecar and run.json, and the bytes checked against checksums.
 
-Where tensors lie, and whole-file or range hashing, are harvest.store.shardfile's (verify uses them too).
+Where tensors lie, and whole-file or range hashing, are harvest.read.shardfile's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from harvest.storage import Storage
 from harvest.store.records import Sidecar
-from harvest.store.shardfile import ShardLayout, TensorSpan, file_sha256, range_sha256, read_layout
+from harvest.read.shardfile import ShardLayout, TensorSpan, file_sha256, range_sha256, read_layout
 
 
 def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, ve
 from harvest.read.shuffle import Piece
 from harvest.storage import Storage
 from harvest.store.records import Sidecar
-from harvest.store.shardfile import ShardLayout, map_file
+from harvest.read.shardfile import ShardLayout, map_file
 from harvest.store.snapshot import Snapshot, shard_path
 
 log = logging.getLogger(__name__)

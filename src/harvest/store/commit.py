@@ -6,8 +6,9 @@ names a data object that exists, whatever the timing of the writers, their clock
 Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
-bounded queues (when storage falls behind the producer waits; nothing is dropped); `read_chain` and
-`ResumePoint` read back where each stream stands.
+bounded queues (when storage falls behind the producer waits; nothing is dropped); `ResumePoint` says where
+each stream stands after its chain of committed shards (harvest.store.listing.read_chain, strict: the one
+reader of committed state).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import os
 import queue
-import re
 import signal
 import threading
 import time
@@ -27,9 +27,9 @@ import numpy as np
 from harvest.errors import FencedOut, UserError
 from harvest.store import format as fmt
 from harvest.storage import Storage
+from harvest.store.format import sidecar_name
+from harvest.store.listing import read_chain
 from harvest.store.records import Sidecar
-
-_SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
 
 
 class CommitLost(FencedOut):
@@ -85,35 +85,6 @@ class _Encoded:
     digest: concurrent.futures.Future
     tensor_digests: dict[str, concurrent.futures.Future]
     stats: dict[str, concurrent.futures.Future]
-
-
-def sidecar_name(shard: int) -> str:
-    return f"{fmt.shard_stem(shard)}.json"
-
-
-def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
-    """The stream's committed shards: its sidecars from shard 0 on, each continuing the one before (UserError
-    where they do not: a gap, or a sidecar that does not continue its predecessor)."""
-    directory = fmt.stream_dir(stream)
-    numbers = sorted(int(m.group(1)) for name in storage.listdir(directory) if (m := _SIDECAR.match(name)))
-    chain: list[Sidecar] = []
-    for expected, number in enumerate(numbers):
-        if number != expected:
-            raise UserError(f"{storage.url_of(f'{directory}/{sidecar_name(expected)}')} is missing while later "
-                            f"shards of the stream are committed (lost from storage, or an --overwrite cut "
-                            "short): the stream cannot resume past it; rerun with --overwrite to start it over")
-        rel = f"{directory}/{sidecar_name(number)}"
-        try:
-            sidecar = Sidecar.from_bytes(storage.read_bytes(rel))
-        except ValueError as e:
-            raise UserError(f"{storage.url_of(rel)}: not a harvest sidecar ({e}); `harvest verify` shows what "
-                            "else is wrong") from None
-        if chain and (sidecar.start != chain[-1].next or chain[-1].final):
-            raise UserError(f"{storage.url_of(rel)}: does not continue shard {number - 1} (starts at "
-                            f"{list(sidecar.start)}, not {list(chain[-1].next)}); `harvest verify` shows what else "
-                            "is wrong")
-        chain.append(sidecar)
-    return chain
 
 
 def resume_point(storage: Storage, stream: int) -> ResumePoint:

@@ -4,16 +4,23 @@ shard, and every record exactly once (a sample or a skipped entry, nothing twice
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.store.records import RunInfo, Sidecar
 
-if TYPE_CHECKING:
-    from harvest.store.verify import Report
+
+@dataclasses.dataclass
+class Totals:
+    """What the committed shards of the streams checked add up to (verify's summary line)."""
+
+    shards: int = 0
+    records: int = 0
+    samples: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    skipped: int = 0
 
 
 @dataclasses.dataclass
@@ -40,20 +47,19 @@ class Problems:
         return [f"{url.rstrip('/')}/{rel}: {message}" for rel, message in sorted(self.found, key=lambda p: p[0])]
 
 
-def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems, report: "Report") -> None:
+def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems, report: Totals) -> None:
     """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage."""
-    sdir = fmt.stream_dir(s)
     data = info.data
     num_streams = data["num_streams"]
     count = None if data.get("counts") is None else data["counts"][s]
     if not shards:
-        problems.add(sdir + "/", "no committed shard: the stream was never started"
+        problems.add(fmt.stream_dir(s) + "/", "no committed shard: the stream was never started"
                      + (f" ({count} records)" if count is not None else ""))
         return
     gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
     previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
     for sh in shards:
-        sc, rel = sh.sidecar, f"{sdir}/{fmt.shard_stem(sh.k)}.json"
+        sc, rel = sh.sidecar, fmt.sidecar_path(s, sh.k)
         start, next_ = sc.start, sc.next
         if sh.k != expected:
             missing = (fmt.shard_stem(expected) if sh.k == expected + 1
@@ -83,7 +89,7 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
     last = shards[-1].sidecar
     if final_seen is None:
         total = f" of {count}" if count is not None else ""
-        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
+        problems.add(fmt.sidecar_path(s, shards[-1].k),
                      f"no final shard after this one: stream incomplete ({last.records}{total} records "
                      f"read, committed through {list(last.next)})")
         end = last.next[0]
@@ -91,15 +97,15 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
         final = next(sh.sidecar for sh in shards if sh.k == final_seen)
         end = final.records
         if count is not None and end != count:
-            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
+            problems.add(fmt.sidecar_path(s, final_seen),
                          f"final shard says the stream has {end} records, run.json data.counts says {count}")
         if final.next > (end, 0):
-            problems.add(f"{sdir}/{fmt.shard_stem(final_seen)}.json",
+            problems.add(fmt.sidecar_path(s, final_seen),
                          f"final shard ends at {list(final.next)}, past the stream's {end} records")
     report.records += end
     entries = sum(sh.sidecar.samples + len(sh.sidecar.skipped) for sh in shards)
     if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
-        problems.add(f"{sdir}/{fmt.shard_stem(shards[-1].k)}.json",
+        problems.add(fmt.sidecar_path(s, shards[-1].k),
                      f"{end:,} records but only {entries:,} samples and skipped entries: at least "
                      f"{end - entries:,} records have neither")
         return
@@ -109,7 +115,6 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
 def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps: list[tuple[int, int]],
                    problems: Problems) -> None:
     """Exactly once: each record 0..end-1 has samples or a skipped entry, nothing twice."""
-    sdir = fmt.stream_dir(s)
     covered = np.zeros(max(end, 0), bool)
     ids, variants, owner = [], [], []
     # Skipped entries as format.sidecar has them ({sample_id, location, reason}) name no variant: a record
@@ -119,7 +124,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
     for sh in shards:
         sc = sh.sidecar
         start, next_ = sc.start, sc.next
-        data_rel = f"{sdir}/{sc.file}"
+        data_rel = fmt.data_path(s, sc.file)
         if sh.sample_ids is not None and len(sh.sample_ids):
             sid, var = sh.sample_ids, sh.variants.astype(np.int64)
             index = sid // num_streams
@@ -146,19 +151,19 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
         for entry in sc.skipped:
             sid = entry.get("sample_id") if isinstance(entry, dict) else None
             if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
-                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
+                problems.add(fmt.sidecar_path(s, sh.k),
                              f"skipped entry {entry!r} has no sample_id of stream {s}")
                 continue
             i, variant = sid // num_streams, entry.get("variant")
             if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
-                problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json",
+                problems.add(fmt.sidecar_path(s, sh.k),
                              f"skipped sample_id {sid} (record {i}) outside "
                              f"[start {list(sc.start)}, next {list(sc.next)})")
             if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
                 key = (sid, int(variant))
                 if key in skipped_pieces:
-                    problems.add(f"{sdir}/{fmt.shard_stem(sh.k)}.json", f"sample_id {sid} variant {variant} "
-                                 f"skipped twice (also in {fmt.shard_stem(skipped_pieces[key])}.json)")
+                    problems.add(fmt.sidecar_path(s, sh.k), f"sample_id {sid} variant {variant} "
+                                 f"skipped twice (also in {fmt.sidecar_name(skipped_pieces[key])})")
                 skipped_pieces[key] = sh.k
             if i < end:
                 covered[i] = True
@@ -174,7 +179,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
             by_shard.setdefault(int(own[j]), []).append(j)
         for k, js in sorted(by_shard.items()):
             j = js[0]
-            problems.add(f"{sdir}/{files[k]}",
+            problems.add(fmt.data_path(s, files[k]),
                          f"{len(js)} duplicate sample{'s' * (len(js) > 1)}: sample_id {int(sid[j])} variant "
                          f"{int(var[j])} is also in {files[int(own[j - 1])]}")
         pairs = set(zip(sid.tolist(), var.tolist())) if skipped_pieces else set()
@@ -182,7 +187,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
         pairs = set()
     for key, k in sorted(skipped_pieces.items()):
         if key in pairs:
-            problems.add(f"{sdir}/{fmt.shard_stem(k)}.json",
+            problems.add(fmt.sidecar_path(s, k),
                          f"sample_id {key[0]} variant {key[1]} is both skipped and written")
 
     missing = np.flatnonzero(~covered)
@@ -194,7 +199,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
     if len(missing):
         starts = [sh.sidecar.start[0] for sh in shards]
         for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
-            problems.add(f"{sdir}/{files[k]}",
+            problems.add(fmt.data_path(s, files[k]),
                          f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
                          f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
                          f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")

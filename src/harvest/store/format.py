@@ -1,14 +1,14 @@
-"""The output format: names, shard tensors, run.json, and exactly mergeable stats. The sidecar, progress and
-lease records are typed in harvest.store.records.
+"""The output format: every name and pattern of a run's files (made and parsed here only), shard tensors,
+run.json, and exactly mergeable stats. The sidecar, progress and lease records are typed in harvest.store.records.
 
 ```
-OUT/run.json                               what the run is (model, points, dtypes, config, hash)
-OUT/stream_00003/shard_000012.safetensors  {point}.{layer} [n_tokens, d], tokens [n_tokens] int32,
-                                           offsets [n+1] int64, sample_ids [n] int64, variants [n] int32
-OUT/stream_00003/shard_000012.json         the commit marker: written after the data; without it the
-                                           shard does not exist
-OUT/stream_00003/progress.json             for `harvest status`; never read for correctness
-OUT/stream_00003/lease.json                who writes this stream
+OUT/run.json                                       what the run is (model, points, dtypes, config, hash)
+OUT/stream_00003/shard_000012-ATTEMPT.safetensors  {point}.{layer} [n_tokens, d], tokens [n_tokens] int32,
+                                                   offsets [n+1] int64, sample_ids [n] int64, variants [n] int32
+OUT/stream_00003/shard_000012.json                 the commit marker: written after the data; without it the
+                                                   shard does not exist
+OUT/stream_00003/progress.json                     for `harvest status`; never read for correctness
+OUT/stream_00003/lease.json                        who writes this stream
 ```
 A stream is a sequence of *pieces*: (index, variant), index = the record's line in the stream,
 variant = which of the pieces a record gave (ARC augmentations, chunks of a long text). A shard
@@ -38,15 +38,52 @@ FORMAT_VERSION = 1
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 
 
+RUN_JSON = "run.json"
+PROGRESS = "progress.json"
+LEASE = "lease.json"
+STREAM_FILES = {PROGRESS, LEASE}  # in a stream directory besides data objects and sidecars
+
+_STREAM_DIR = re.compile(r"^stream_(\d{5})$")
+_SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
+_DATA_FILE = re.compile(r"^shard_(\d{6})(?:-([0-9a-f]{8,32}))?\.safetensors$")
+
+
 def stream_dir(stream: int) -> str:
     return f"stream_{stream:05d}"
+
+
+def dir_stream(name: str) -> int | None:
+    """The stream number of a stream directory's name (as `stream_dir` makes them), None for any other name."""
+    m = _STREAM_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def shard_stem(shard: int) -> str:
     return f"shard_{shard:06d}"
 
 
-_DATA_FILE = re.compile(r"^shard_(\d{6})(?:-([0-9a-f]{8,32}))?\.safetensors$")
+def sidecar_name(shard: int) -> str:
+    return f"{shard_stem(shard)}.json"
+
+
+def sidecar_shard(name: str) -> int | None:
+    """The shard number of a sidecar's name (as `sidecar_name` makes them), None for any other name."""
+    m = _SIDECAR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def sidecar_path(stream: int, shard: int) -> str:
+    """A shard's sidecar, relative to the run."""
+    return f"{stream_dir(stream)}/{sidecar_name(shard)}"
+
+
+def data_path(stream: int, file: str) -> str:
+    """A data object of a stream (`file` as a sidecar names it), relative to the run."""
+    return f"{stream_dir(stream)}/{file}"
+
+
+def progress_path(stream: int) -> str:
+    return f"{stream_dir(stream)}/{PROGRESS}"
 
 
 def shard_file(shard: int, attempt: str) -> str:
@@ -176,10 +213,10 @@ def tensor_parts(parts: list) -> dict[str, list]:
     return grouped
 
 
-def sha256(data: bytes | list) -> str:
-    """Hex sha256 of bytes, or of parts written one after another."""
+def sha256(data: bytes | np.ndarray | list) -> str:
+    """Hex sha256 of bytes (or one array's), or of parts written one after another."""
     digest = hashlib.sha256()
-    for part in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+    for part in [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data:
         digest.update(part)
     return digest.hexdigest()
 

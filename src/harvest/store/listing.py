@@ -1,12 +1,16 @@
-"""A run's files on storage as status, verify and the reader list them: run.json, stream directories, sidecars.
+"""A run's committed state, read in one place: run.json, the streams it names, and each stream's chain of
+sidecars (commit, the reader, status, inspect and verify all read it here).
 
 Only committed shards exist: a shard is there when its sidecar (`shard_NNNNNN.json`) is, whatever else
-lies in the stream directory; the sidecar names the data object it commits.
+lies in the stream directory; the sidecar names the data object it commits. A stream's committed shards are
+its chain: sidecars from shard 0 on, each continuing the one before. Readers read only the streams run.json
+names, never every `stream_*` directory on storage (an overwrite with fewer streams may leave others).
+Strict (the default) refuses a chain with a gap, a damaged sidecar or one that does not continue its
+predecessor in one line; lenient (status, which must show a broken run) keeps the chain up to the break.
 """
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -14,12 +18,14 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.records import RunInfo, Sidecar
+from harvest.store.records import Progress, RunInfo, Sidecar
 
-STREAM_DIR = re.compile(r"^stream_(\d{5})$")
-SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
 SHARD_ARRAYS = ("tokens", "offsets", "sample_ids", "variants")  # the non-activation tensors of a shard
 _IO_THREADS = 16
+
+
+class CorruptShardError(UserError):
+    """A committed shard whose bytes do not match its sidecar."""
 
 
 def dtype_name(arr: np.ndarray) -> str:
@@ -49,45 +55,119 @@ def stream_count(info: RunInfo, stream: int) -> int | None:
     return int(counts[stream]) if stream < len(counts) else None
 
 
-def list_sidecars(storage: Storage, stream: int) -> list[str]:
-    """Sidecar file names of a stream, in shard order."""
-    return [n for n in storage.listdir(fmt.stream_dir(stream)) if SIDECAR.match(n)]
+def sidecar_numbers(storage: Storage, stream: int) -> list[int]:
+    """The shard numbers that have a sidecar in a stream's directory, in order."""
+    return sorted(k for name in storage.listdir(fmt.stream_dir(stream)) if (k := fmt.sidecar_shard(name)) is not None)
 
 
 def list_stream_dirs(storage: Storage) -> list[int]:
-    return sorted(int(m.group(1)) for m in map(STREAM_DIR.match, storage.listdir("")) if m)
+    """Every stream directory on storage, named by run.json or not: for verify's audit and a split run's parts."""
+    return sorted(s for s in map(fmt.dir_stream, storage.listdir("")) if s is not None)
 
 
 def read_run_info(storage: Storage) -> RunInfo:
-    if not storage.exists("run.json"):
+    if not storage.exists(fmt.RUN_JSON):
         raise UserError(f"{storage.url}: no run.json here, so not a harvest run; check the URL "
                         f"(a run writes run.json before its first shard)")
     try:
-        info = RunInfo.from_bytes(storage.read_bytes("run.json"))
+        info = RunInfo.from_bytes(storage.read_bytes(fmt.RUN_JSON))
     except UserError as e:  # StorageError names the file already
         raise UserError(f"{e}; the run's metadata is damaged") from None
     except ValueError as e:
-        raise UserError(f"{storage.url}/run.json: not a harvest run.json ({e})") from None
+        raise UserError(f"{storage.url_of(fmt.RUN_JSON)}: not a harvest run.json ({e})") from None
     if info.format_version > fmt.FORMAT_VERSION:
-        raise UserError(f"{storage.url}/run.json: format_version {info.format_version} is newer than this "
+        raise UserError(f"{storage.url_of(fmt.RUN_JSON)}: format_version {info.format_version} is newer than this "
                         f"harvest reads ({fmt.FORMAT_VERSION}); upgrade harvest")
     return info
 
 
-def read_sidecars(storage: Storage) -> list[Sidecar]:
-    """Every committed shard's sidecar, read in parallel; one line naming the file for one that is damaged."""
-    paths = [f"{fmt.stream_dir(s)}/{name}" for s in list_stream_dirs(storage) for name in list_sidecars(storage, s)]
+def read_sidecar(storage: Storage, stream: int, shard: int) -> Sidecar:
+    """One sidecar, checked to name its own stream and shard. ValueError saying what is wrong with it;
+    storage's own error (a UserError naming the file) when it cannot be read."""
+    sidecar = Sidecar.from_bytes(storage.read_bytes(fmt.sidecar_path(stream, shard)))
+    if sidecar.stream != stream:
+        raise ValueError(f"says stream {sidecar.stream}, lies in {fmt.stream_dir(stream)}")
+    if sidecar.shard != shard:
+        raise ValueError(f"says shard {sidecar.shard}, named {fmt.shard_stem(shard)}")
+    return sidecar
 
-    def read(rel: str) -> Sidecar:
+
+def read_chains(storage: Storage, streams: list[int], *, strict: bool = True,
+                known: dict[tuple[int, int], Sidecar] | None = None, threads: int = _IO_THREADS
+                ) -> dict[int, list[Sidecar]]:
+    """Each stream's chain of committed shards; listings and sidecars are read `threads` at a time (those in
+    `known`, a cache of sidecars already read, are not read again: a committed sidecar never changes).
+    Strict: UserError in one line for a gap, a damaged sidecar, or one that does not continue its
+    predecessor; lenient: each chain up to its first break."""
+    known = {} if known is None else known
+    numbers = dict(zip(streams, _map(lambda s: sidecar_numbers(storage, s), streams, threads)))
+    wanted = [(s, k) for s in streams for k in _contiguous(numbers[s]) if (s, k) not in known]
+
+    def read(job: tuple[int, int]) -> Sidecar | str:
         try:
-            return Sidecar.from_bytes(storage.read_bytes(rel))
-        except UserError as e:  # StorageError names the file already
-            raise UserError(f"{e}; run `harvest verify {storage.url}`") from None
+            return read_sidecar(storage, *job)
         except ValueError as e:
-            raise UserError(f"{storage.url}/{rel}: not a shard sidecar ({e}); "
-                            f"run `harvest verify {storage.url}`") from None
+            return str(e)
+        except UserError as e:  # storage's error names the file
+            if strict:
+                raise
+            return str(e)
 
-    if len(paths) <= 1:
-        return [read(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=min(_IO_THREADS, len(paths))) as pool:
-        return list(pool.map(read, paths))
+    read_now = dict(zip(wanted, _map(read, wanted, threads)))
+    for key, sidecar in read_now.items():
+        if isinstance(sidecar, Sidecar):
+            known[key] = sidecar
+    return {s: _chain(storage, s, numbers[s], {**read_now, **known}, strict) for s in streams}
+
+
+def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
+    """One stream's chain of committed shards, strict, read in order on the caller's thread: a writer's
+    resume point (see read_chains)."""
+    return read_chains(storage, [stream], threads=1)[stream]
+
+
+def _chain(storage: Storage, stream: int, numbers: list[int], sidecars: dict, strict: bool) -> list[Sidecar]:
+    chain: list[Sidecar] = []
+    for expected, number in enumerate(numbers):
+        rel = fmt.sidecar_path(stream, number)
+        if number != expected:
+            problem = (f"{storage.url_of(fmt.sidecar_path(stream, expected))} is missing while later shards of the "
+                       "stream are committed (lost from storage, or an --overwrite cut short): the stream cannot be "
+                       "read or resumed past it; rerun with --overwrite to start it over")
+        elif isinstance(sidecar := sidecars[(stream, number)], str):
+            problem = (f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else "
+                       "is wrong")
+        elif chain and chain[-1].final:
+            problem = (f"{storage.url_of(rel)}: a shard after the stream's final shard {number - 1}; `harvest verify` "
+                       "shows what else is wrong")
+        elif chain and sidecar.start != chain[-1].next:
+            problem = (f"{storage.url_of(rel)}: does not continue shard {number - 1} (starts at {list(sidecar.start)}, "
+                       f"not {list(chain[-1].next)}); `harvest verify` shows what else is wrong")
+        else:
+            chain.append(sidecar)
+            continue
+        if strict:
+            raise UserError(problem)
+        break
+    return chain
+
+
+def _contiguous(numbers: list[int]) -> list[int]:
+    """The shard numbers 0, 1, 2, ... up to the first gap: the only sidecars a chain can hold."""
+    return numbers[:next((i for i, k in enumerate(numbers) if k != i), len(numbers))]
+
+
+def read_progress(storage: Storage, stream: int) -> Progress | None:
+    """A stream's progress.json, for show only: None when absent, or unreadable while being rewritten."""
+    rel = fmt.progress_path(stream)
+    try:
+        return Progress.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
+    except (ValueError, UserError):
+        return None
+
+
+def _map(fn, items: list, threads: int) -> list:
+    if len(items) <= 1 or threads <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
+        return list(pool.map(fn, items))

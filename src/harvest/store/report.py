@@ -1,4 +1,5 @@
-"""`harvest status` and `harvest inspect`: what a run has done and what it holds, as rich renderables.
+"""`harvest status` and `harvest inspect` of an extraction run: what it has done and what it holds, as rich
+renderables (a training run's status is harvest.train.status's).
 
 Committed counts (records, samples, tokens, shards) come from the sidecars, the truth: a stream's run of
 shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.json, which is for show only.
@@ -7,7 +8,6 @@ shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.js
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -19,23 +19,20 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from harvest.errors import UserError
 from harvest.ranges import format_ranges
-from harvest.store import format as fmt
-from harvest.store import step_parts
 from harvest.storage import Storage
-from harvest.store.listing import covered_streams, list_sidecars, read_run_info, stream_count
-from harvest.store.records import Progress, RunInfo, Sidecar
+from harvest.store.listing import covered_streams, read_chains, read_progress, read_run_info, stream_count
+from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot, shard_samples
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
 
-def _storage(url: str | Storage) -> Storage:
+def as_storage(url: str | Storage) -> Storage:
     return url if isinstance(url, Storage) else Storage(str(url))
 
 
-def _age(updated_at: str | None, now: datetime) -> float | None:
+def seconds_since(updated_at: str | None, now: datetime) -> float | None:
     if not updated_at:
         return None
     try:
@@ -79,39 +76,19 @@ class RunScanner:
     """Reads a run's progress; keeps sidecars between scans (a committed sidecar does not change)."""
 
     def __init__(self, url: str | Storage, threads: int = 16):
-        self.storage = _storage(url)
+        self.storage = as_storage(url)
         self.info = read_run_info(self.storage)
         self.streams = covered_streams(self.info)
         self.threads = threads
         self._sidecars: dict[tuple[int, int], Sidecar] = {}
 
-    def _scan_stream(self, stream: int) -> dict[str, Any]:
-        sdir = fmt.stream_dir(stream)
-        names = list_sidecars(self.storage, stream)
-        committed: list[Sidecar] = []
-        for expected, name in enumerate(names):  # the contiguous run from shard 0, as a resume sees it
-            k = int(name[len("shard_"):-len(".json")])
-            if k != expected:
-                break
-            if (stream, k) not in self._sidecars:
-                try:
-                    self._sidecars[(stream, k)] = Sidecar.from_bytes(self.storage.read_bytes(f"{sdir}/{name}"))
-                except (ValueError, UserError):
-                    break
-            committed.append(self._sidecars[(stream, k)])
-        progress = None
-        try:
-            if self.storage.exists(f"{sdir}/progress.json"):
-                progress = Progress.from_bytes(self.storage.read_bytes(f"{sdir}/progress.json"))
-        except (ValueError, UserError):
-            progress = None  # being rewritten; status is for show
-        return {"stream": stream, "committed": committed, "progress": progress}
-
     def scan(self) -> list[dict[str, Any]]:
-        if len(self.streams) <= 1:
-            return [self._scan_stream(s) for s in self.streams]
-        with ThreadPoolExecutor(max_workers=min(self.threads, len(self.streams))) as pool:
-            return list(pool.map(self._scan_stream, self.streams))
+        """Each stream's committed chain up to any break (lenient: status shows a broken run; verify says
+        what is wrong) and its progress.json."""
+        chains = read_chains(self.storage, self.streams, strict=False, known=self._sidecars)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(self.streams)))) as pool:
+            progress = list(pool.map(lambda s: read_progress(self.storage, s), self.streams))
+        return [{"stream": s, "committed": chains[s], "progress": p} for s, p in zip(self.streams, progress)]
 
 
 def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -121,7 +98,7 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
     total = stream_count(info, s)
     if total is None:
         total = records if done else (progress.total if progress else None)
-    age = _age(progress.updated_at if progress else None, now)
+    age = seconds_since(progress.updated_at if progress else None, now)
     if done:
         state = "done"
     elif not committed and not progress:
@@ -157,73 +134,10 @@ def status_rows(url: str | Storage | RunScanner, now: datetime | None = None) ->
     return [_row(scanner.info, scanned, now) for scanned in scanner.scan()]
 
 
-def training_status(url: str | Storage, now: datetime | None = None) -> Table | None:
-    """A `harvest train` run (run.json of kind "train"): its newest metrics and checkpoints; None otherwise."""
-    storage = _storage(url)
-    info = storage.read_json("run.json") if storage.exists("run.json") else {}
-    if not isinstance(info, dict) or info.get("kind") not in ("train", "sae", "trm"):
-        return None
-    lines = storage.read_bytes("metrics.jsonl").decode().splitlines() if storage.exists("metrics.jsonl") else []
-    last = json.loads(lines[-1]) if lines else {}
-    steps = step_parts.complete_steps(storage.child("checkpoints"))
-    config = info.get("config") or {}
-    if info["kind"] == "sae":
-        return _sae_status(storage, info, last, steps, now)
-    if info["kind"] == "trm":
-        return _trm_status(storage, info, last, steps, now)
-    table = Table(title=f"{storage.url}: training {info.get('model_type', '?')} ({human_count(info.get('num_params', 0))} "
-                        f"params) on {info.get('mesh', '?')}", title_justify="left")
-    for name in ("step", "loss", "grad norm", "lr", "tokens/s", "MFU", "checkpoints", "updated"):
-        table.add_column(name, justify="right")
-    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
-    table.add_row(f"{last.get('step', 0)}/{config.get('steps', '?')}", f"{last['loss']:.4f}" if last else "-",
-                  f"{last['grad_norm']:.3g}" if last else "-", f"{last['lr']:.3g}" if last else "-",
-                  human_count(last["tokens_per_s"]) if last else "-", f"{last['mfu']:.1%}" if last else "-",
-                  ", ".join(map(str, steps[-3:])) or "none", human_age(_age(updated, now or datetime.now(timezone.utc))))
-    return table
-
-
-def _sae_status(storage: Storage, info: dict, last: dict, steps: list[int], now: datetime | None) -> Table:
-    """A `harvest sae train` run: its SAEs, newest metrics and checkpoints."""
-    config = info.get("config") or {}
-    saes = ", ".join(f"{name} ({sae['architecture']}, {human_count(sae['latents'])} latents)"
-                     for name, sae in (info.get("saes") or {}).items())
-    table = Table(title=f"{storage.url}: SAEs on {saes} on {info.get('mesh', '?')}", title_justify="left")
-    for name in ("step", "tokens", "fvu", "l0", "dead", "aux loss", "tokens/s", "checkpoints", "updated"):
-        table.add_column(name, justify="right")
-    steps_total = (config.get("tokens") or 0) // max(config.get("batch_tokens") or 1, 1)
-    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
-    table.add_row(f"{last.get('step', 0)}/{steps_total}", human_count(last.get("tokens", 0)),
-                  f"{last['fvu']:.4f}" if last else "-", f"{last['l0']:.1f}" if last else "-",
-                  f"{last['dead_fraction']:.1%}" if last else "-", f"{last['aux_loss']:.3g}" if last else "-",
-                  human_count(last["tokens_per_s"]) if last else "-", ", ".join(map(str, steps[-3:])) or "none",
-                  human_age(_age(updated, now or datetime.now(timezone.utc))))
-    return table
-
-
-def _trm_status(storage: Storage, info: dict, last: dict, steps: list[int], now: datetime | None) -> Table:
-    """A TRM run: its model, newest metrics (exact accuracy and halting step of the samples that halted)."""
-    model = (info.get("trm") or {}).get("model") or {}
-    table = Table(title=f"{storage.url}: training TRM ({human_count(info.get('num_params', 0))} params, H "
-                        f"{model.get('H_cycles', '?')} x L {model.get('L_cycles', '?')}) on {info.get('dataset', '?')} "
-                        f"on {info.get('mesh', '?')}", title_justify="left")
-    for name in ("step", "loss", "exact", "halt step", "lr", "tokens/s", "checkpoints", "updated"):
-        table.add_column(name, justify="right")
-    updated = datetime.fromtimestamp(last["time"], timezone.utc).isoformat() if "time" in last else None
-    table.add_row(f"{last.get('step', 0)}/{info.get('steps', '?')}", f"{last['loss']:.4f}" if last else "-",
-                  f"{last['exact_accuracy']:.1%}" if last else "-", f"{last['halt_step']:.2f}" if last else "-",
-                  f"{last['lr']:.3g}" if last else "-", human_count(last["tokens_per_s"]) if last else "-",
-                  ", ".join(map(str, steps[-3:])) or "none",
-                  human_age(_age(updated, now or datetime.now(timezone.utc))))
-    return table
-
-
 def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None,
                  now: datetime | None = None) -> Table:
     """One row per stream the run covers, then a total row. With max_rows, streams not done come first
-    and the rest fold into one line. A training run gets its own table (training_status)."""
-    if not isinstance(url, RunScanner) and (training := training_status(url, now)) is not None:
-        return training
+    and the rest fold into one line."""
     scanner = url if isinstance(url, RunScanner) else RunScanner(url)
     rows = status_rows(scanner, now)
     done = sum(r["state"] == "done" for r in rows)
@@ -260,12 +174,8 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
 
 def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None,
           until_done: bool = True) -> None:
-    """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C). A training
-    run: its table (training_status), until Ctrl-C."""
+    """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C)."""
     console = console or Console()
-    if training_status(url) is not None:
-        _watch_training(url, interval, console)
-        return
     scanner = RunScanner(url)
     try:
         with Live(status_table(scanner, max_rows=max(console.height - 8, 4)), console=console,
@@ -280,19 +190,9 @@ def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None
         return
 
 
-def _watch_training(url: str | Storage, interval: float, console: Console) -> None:
-    try:
-        with Live(training_status(url), console=console, refresh_per_second=4, transient=False) as live:
-            while True:
-                time.sleep(interval)
-                live.update(training_status(url))
-    except KeyboardInterrupt:
-        return
-
-
 def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableType]:
     """What a run holds: its setup, the committed totals, per-tensor stats, and one sample."""
-    storage = _storage(url)
+    storage = as_storage(url)
     run = Snapshot.take(storage)
     info, data, model = run.info, run.info.data, run.info.model
     streams = covered_streams(info)
@@ -358,12 +258,7 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
 def _packing(storage: Storage, streams: list[int]) -> float | None:
     """Real tokens / row slots computed, over the streams' progress.json (each stream's latest session)."""
     real = slots = 0
-    for stream in streams:
-        rel = f"{fmt.stream_dir(stream)}/progress.json"
-        try:
-            progress = Progress.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
-        except (ValueError, UserError):
-            continue  # being rewritten: progress.json is for show
+    for progress in (read_progress(storage, stream) for stream in streams):
         if progress is not None and len(progress.packing) == 2:
             real, slots = real + progress.packing[0], slots + progress.packing[1]
     return real / slots if slots else None

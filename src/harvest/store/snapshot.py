@@ -3,7 +3,8 @@
 A `Snapshot` is plain data (a URL, a RunInfo and Sidecars), so it can be handed to data-loader workers or
 other ranks: every reader given the same one reads the same shards, however far the run has grown since.
 Totals and merged stats come from the sidecars alone; `read_shard` and `shard_samples` decode a shard's
-data object whole (status/inspect, sample access); token batches read ranges instead (harvest.read).
+data object whole (status/inspect, sample access), each tensor checked against the sidecar's sha256 as it is
+decoded (one pass over bytes already in memory); token batches read ranges instead (harvest.read).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.listing import covered_streams, read_run_info, read_sidecars
+from harvest.store.listing import CorruptShardError, covered_streams, read_chains, read_run_info
 from harvest.store.records import RunInfo, Sidecar
 
 ShardCounts = Mapping[int, int]  # {stream: committed shards}: how ranks agree on the shards they split
@@ -50,8 +51,10 @@ class Snapshot:
 
     @classmethod
     def take(cls, storage: Storage) -> Snapshot:
+        """run.json and the chains of the streams it names (strict: one line for a broken chain)."""
         info = read_run_info(storage)
-        return cls(storage.url, info, tuple(sorted(read_sidecars(storage), key=lambda sc: (sc.stream, sc.shard))))
+        chains = read_chains(storage, covered_streams(info))
+        return cls(storage.url, info, tuple(sc for s in sorted(chains) for sc in chains[s]))
 
     def limited(self, counts: ShardCounts) -> Snapshot:
         """The first counts[stream] shards of each stream named (streams not named are left out).
@@ -131,8 +134,8 @@ class Snapshot:
             if entry is None:
                 if sc.tokens == 0:
                     continue
-                raise UserError(f"{self.url}/{fmt.stream_dir(sc.stream)}/{fmt.shard_stem(sc.shard)}"
-                                f".json: no stats for {name}; run `harvest verify {self.url}`")
+                raise UserError(f"{self.url}/{fmt.sidecar_path(sc.stream, sc.shard)}: no stats for {name}; "
+                                f"run `harvest verify {self.url}`")
             parts.append(fmt.RunningStats.from_json(entry))
         if not parts:
             return fmt.RunningStats(0, np.zeros(width), np.zeros(width))
@@ -143,16 +146,28 @@ class Snapshot:
 
 def shard_path(sidecar: Sidecar) -> str:
     """The data object a sidecar commits, relative to the run."""
-    return f"{fmt.stream_dir(sidecar.stream)}/{sidecar.file}"
+    return fmt.data_path(sidecar.stream, sidecar.file)
 
 
 def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
-    """All tensors of one committed shard (read whole and decoded)."""
+    """All tensors of one committed shard, read whole, decoded and checked against its sidecar: the size, and
+    each tensor's sha256 (the whole file's in a sidecar from before per-tensor ones). CorruptShardError in
+    one line naming the shard when they do not match."""
     rel = shard_path(sidecar)
     try:
-        return fmt.decode_shard(storage.read_bytes(rel))
+        data = storage.read_bytes(rel)
+        if len(data) != sidecar.bytes:
+            raise ValueError(f"the file is {len(data)} bytes, its sidecar says {sidecar.bytes} (cut short or replaced)")
+        if sidecar.tensor_sha256 is None and fmt.sha256(data) != sidecar.sha256:
+            raise ValueError(f"its sha256 does not match its sidecar's ({sidecar.sha256[:12]}...)")
+        tensors = fmt.decode_shard(data)
+        for name, want in (sidecar.tensor_sha256 or {}).items():
+            if name not in tensors or fmt.sha256(tensors[name].reshape(-1).view(np.uint8)) != want:
+                raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar "
+                                 f"({want[:12]}...)")
+        return tensors
     except ValueError as e:
-        raise UserError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None
+        raise CorruptShardError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None
 
 
 def sample_at(sidecar: Sidecar, tensors: dict[str, np.ndarray], names: list[str], row: int) -> Sample:

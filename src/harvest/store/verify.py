@@ -37,33 +37,21 @@ from harvest.errors import UserError
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
 from harvest.storage import Storage
-from harvest.store.listing import (
-    SHARD_ARRAYS,
-    SIDECAR,
-    covered_streams,
-    dtype_name,
-    list_stream_dirs,
-)
-from harvest.store.coverage import Problems, Shard, check_stream
+from harvest.store.coverage import Problems, Shard, Totals, check_stream
+from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
+                                   read_sidecar)
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
-STREAM_FILES = {"progress.json", "lease.json"}  # allowed in a stream directory besides shards and sidecars
 _EXPECTED_ARRAYS = {"tokens": (np.int32, 1), "offsets": (np.int64, 1), "sample_ids": (np.int64, 1),
                     "variants": (np.int32, 1)}
 
 
 @dataclasses.dataclass
-class Report:
-    url: str
+class Report(Totals):
+    url: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
     streams: int = 0
-    shards: int = 0
-    records: int = 0
-    samples: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    skipped: int = 0
     leftovers: list[str] = dataclasses.field(default_factory=list)  # data objects no sidecar names
 
     @property
@@ -93,7 +81,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
     """Check one run (see the module doc); `workers` shards are read and checked at a time. `only`: check
     just these streams, the part of a split run one output holds (see verify_split)."""
     storage = url if isinstance(url, Storage) else Storage(str(url))
-    report, problems = Report(storage.url), Problems()
+    report, problems = Report(url=storage.url), Problems()
     info = check_run_info(storage, problems)
     if info is not None:
         streams = covered_streams(info)
@@ -104,7 +92,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
         listing = {s: list_stream(storage, s, problems) for s in streams}
         jobs = [(s, k) for s in streams for k in listing[s][0]]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            sidecars = dict(zip(jobs, pool.map(lambda job: read_sidecar(storage, *job, problems), jobs)))
+            sidecars = dict(zip(jobs, pool.map(lambda job: checked_sidecar(storage, *job, problems), jobs)))
             checked = [(s, k) for s in streams for k in listing[s][0] if sidecars[(s, k)] is not None]
             results = pool.map(lambda job: check_shard(storage, info, job[0], listing[job[0]][1], sidecars[job],
                                                        problems), checked)
@@ -113,7 +101,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
             shards = [Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
                       for k in listing[s][0] if sidecars[(s, k)] is not None]
             named = {sh.sidecar.file for sh in shards}
-            report.leftovers += [f"{fmt.stream_dir(s)}/{name}" for name in listing[s][1] if name not in named]
+            report.leftovers += [fmt.data_path(s, name) for name in listing[s][1] if name not in named]
             check_stream(info, s, shards, problems, report)
     report.problems = problems.lines(storage.url)
     return report
@@ -129,17 +117,17 @@ def check_stream_dirs(storage: Storage, streams: list[int], problems: Problems) 
 
 def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     """run.json's fields that the other checks rely on; None (and problems) when it cannot be used."""
-    if not storage.exists("run.json"):
-        problems.add("run.json", "missing: not a harvest run, or one that never started")
+    if not storage.exists(fmt.RUN_JSON):
+        problems.add(fmt.RUN_JSON, "missing: not a harvest run, or one that never started")
         return None
     try:
-        info = storage.read_json("run.json")
+        info = storage.read_json(fmt.RUN_JSON)
     except (ValueError, UserError) as e:
-        problems.add("run.json", f"unreadable ({e})")
+        problems.add(fmt.RUN_JSON, f"unreadable ({e})")
         return None
     bad = []
     if not isinstance(info, dict):
-        problems.add("run.json", "not a JSON object")
+        problems.add(fmt.RUN_JSON, "not a JSON object")
         return None
     if info.get("format_version") != fmt.FORMAT_VERSION:
         bad.append(f"format_version {info.get('format_version')!r}, this harvest reads {fmt.FORMAT_VERSION}")
@@ -169,7 +157,7 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
         except ValueError as e:
             bad.append(f"not a harvest run.json ({e})")
     for message in bad:
-        problems.add("run.json", message)
+        problems.add(fmt.RUN_JSON, message)
     return typed
 
 
@@ -178,41 +166,32 @@ def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int]
     sdir = fmt.stream_dir(s)
     sidecars, files = [], set()
     for name in storage.listdir(sdir):
-        if m := SIDECAR.match(name):
-            sidecars.append(int(m.group(1)))
+        if (k := fmt.sidecar_shard(name)) is not None:
+            sidecars.append(k)
         elif fmt.data_file_shard(name) is not None:
             files.add(name)
-        elif name not in STREAM_FILES:
+        elif name not in fmt.STREAM_FILES:
             problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
                                            "progress.json or lease.json)")
     return sorted(sidecars), files
 
 
-def read_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sidecar | None:
-    rel = f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json"
+def checked_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sidecar | None:
+    """A sidecar as the one reader of committed state reads it; None (and a problem) when it cannot be used."""
     try:
-        sc = Sidecar.from_bytes(storage.read_bytes(rel))
+        return read_sidecar(storage, s, k)
     except UserError as e:
-        problems.add(rel, f"unreadable sidecar ({e})")
-        return None
+        problems.add(fmt.sidecar_path(s, k), f"unreadable sidecar ({e})")
     except ValueError as e:
-        problems.add(rel, f"bad sidecar: {e}")
-        return None
-    bad = []
-    if sc.stream != s:
-        bad.append(f"says stream {sc.stream}, lies in {fmt.stream_dir(s)}")
-    if sc.shard != k:
-        bad.append(f"says shard {sc.shard}, named {fmt.shard_stem(k)}")
-    for message in bad:
-        problems.add(rel, f"bad sidecar: {message}")
-    return None if bad else sc
+        problems.add(fmt.sidecar_path(s, k), f"bad sidecar: {e}")
+    return None
 
 
 def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Sidecar, problems: Problems):
     """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
-    rel, k = f"{fmt.stream_dir(s)}/{sc.file}", sc.shard
+    rel, k = fmt.data_path(s, sc.file), sc.shard
     if sc.file not in files:
-        problems.add(f"{fmt.stream_dir(s)}/{fmt.shard_stem(k)}.json", f"sidecar without its data: {sc.file} is missing")
+        problems.add(fmt.sidecar_path(s, k), f"sidecar without its data: {sc.file} is missing")
         return None, None
     try:
         data = storage.read_bytes(rel)
@@ -289,11 +268,11 @@ def verify_all(urls: Sequence[str], *, workers: int = 4) -> list[Report]:
 def _split_run(storages: list[Storage]) -> tuple[list[int], list[set[int]]] | None:
     """(the run's streams, the streams each output holds) when several outputs have one run.json config
     (config_sha256) and none holds every stream: a fleet's buckets, each written by some of its workers."""
-    if len(storages) < 2 or not all(st.exists("run.json") for st in storages):
+    if len(storages) < 2 or not all(st.exists(fmt.RUN_JSON) for st in storages):
         return None
     try:
-        infos = [RunInfo.from_bytes(st.read_bytes("run.json")) for st in storages]
-    except (ValueError, UserError):
+        infos = [read_run_info(st) for st in storages]
+    except UserError:
         return None
     if len({i.config_sha256 for i in infos}) != 1:
         return None
@@ -308,7 +287,7 @@ def verify_split(storages: list[Storage], split: tuple[list[int], list[set[int]]
     (named after all of them) on the split itself: every stream in exactly one output."""
     streams, held = split
     reports = [verify(st, workers=workers, only=h) for st, h in zip(storages, held)]
-    whole = Report(" + ".join(st.url for st in storages), streams=len(streams))
+    whole = Report(url=" + ".join(st.url for st in storages), streams=len(streams))
     for s in streams:
         where = [st.url for st, h in zip(storages, held) if s in h]
         if not where:

@@ -16,21 +16,50 @@ hashing every file as it streams in and checking it against its marker.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from harvest.errors import UserError
 from harvest.storage import Storage, StorageError, StorageNotFoundError, is_transient
-from harvest.store.records import CheckpointPart
+from harvest.store.records import Record
 
 log = logging.getLogger(__name__)
 
 THREADS = 8  # files moved at once per process
 CHUNK = 4 * 2**20  # bytes read or written at a time per file
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPart(Record):
+    """`checkpoints/<step>/<attempt>/process_NNNNN.json`: the commit marker of one process's part of a checkpoint
+    step, written after the files it lists (names relative to the part's directory, '/'-separated). `attempt`
+    names the start of `harvest train` that wrote it (every process of a start shares it): a step is complete
+    only when all `num_processes` markers of one attempt are there."""
+
+    step: int
+    attempt: str
+    process: int
+    num_processes: int
+    files: list  # [{"name": str, "bytes": int, "sha256": str}]
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CheckpointPart:
+        part = super().from_json(obj)
+        for entry in part.files:
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+                raise ValueError(f"field 'files': expected {{name, bytes, sha256}} entries, got {entry!r:.80}")
+        if not 0 <= part.process < part.num_processes:
+            raise ValueError(f"process {part.process} outside 0..{part.num_processes - 1}")
+        if not (0 < len(part.attempt) <= 64 and part.attempt.isascii() and part.attempt.replace("-", "").isalnum()):
+            raise ValueError(f"field 'attempt': {part.attempt!r:.80} is not an attempt id")
+        return part
 
 
 class CorruptStep(UserError):
