@@ -56,7 +56,7 @@ def init_program(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32", initializ
 def init_params(cfg: ModelConfig, seed: int, mesh: Mesh, dtype: str = "float32",
                 initializer_range: float = 0.02) -> dict:
     """Params for `cfg` (drawn in fp32, stored as `dtype`), sharded over `mesh` as its logical rules say."""
-    return init_program(cfg, mesh, dtype, initializer_range)(np.uint32(seed))
+    return init_program(cfg, mesh, dtype, initializer_range)(np.uint32(seed & 0xFFFFFFFF))  # jax keys: 32 bits
 
 
 def _draw(path: str, spec: ParamSpec, layers: int, key: jax.Array, scale: float, dtype: str) -> jax.Array:
