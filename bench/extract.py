@@ -320,6 +320,22 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
 
 # --- whole processes, start-up included ---------------------------------------------------------------------
 
+def harvest_command(model_dir: Path, data: Path, out: Path, points: str, seq: int, batch: int, *extra: str,
+                    compute_dtype: str = "float32") -> list[str]:
+    """`harvest extract` as a user types it: bf16 storage, long records truncated, the output overwritten."""
+    return [sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
+            "--out", str(out), "--points", points, "--max-seq-len", str(seq), "--batch-size", str(batch),
+            "--long", "truncate", "--dtype", "bfloat16", "--compute-dtype", compute_dtype, "--overwrite", *extra]
+
+
+def hf_command(model_dir: Path, data: Path, out: Path, layers: list[int], seq: int, batch: int, attn: str = "sdpa",
+               dtype: str = "float32") -> list[str]:
+    """The plain HF script (bench/hf_loop.py) on the same job; its last stdout line is its JSON summary."""
+    return [sys.executable, str(Path(__file__).with_name("hf_loop.py")), str(model_dir), str(data), str(out),
+            "--layers", ",".join(map(str, layers)), "--max-seq-len", str(seq), "--batch-size", str(batch),
+            "--attn", attn, "--dtype", dtype]
+
+
 def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list[str]]:
     """`harvest extract` and `python bench/hf_loop.py` as a user runs them, timed from fork to exit: a short job
     pays each one's start-up (imports, model load, harvest's compile). harvest runs first with an empty compile
@@ -327,13 +343,9 @@ def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list
     texts = workload_texts(workload, args.process_texts)
     data = write_data(texts, root / f"process-{workload}.jsonl")
     layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
-    harvest_cmd = [sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
-                   "--out", str(root / "process-harvest"), "--points", args.points,
-                   "--max-seq-len", str(args.max_seq_len), "--batch-size", str(args.batch_size), "--long", "truncate",
-                   "--dtype", "bfloat16", "--compute-dtype", "float32", "--shard-size", args.shard_size, "--overwrite"]
-    hf_cmd = [sys.executable, str(Path(__file__).with_name("hf_loop.py")), str(model_dir), str(data),
-              str(root / "process-hf"), "--layers", ",".join(map(str, layers)), "--max-seq-len", str(args.max_seq_len),
-              "--batch-size", str(args.hf_batch_size), "--attn", args.attn]
+    harvest_cmd = harvest_command(model_dir, data, root / "process-harvest", args.points, args.max_seq_len,
+                                  args.batch_size, "--shard-size", args.shard_size)
+    hf_cmd = hf_command(model_dir, data, root / "process-hf", layers, args.max_seq_len, args.hf_batch_size, args.attn)
     cache = root / "process-cache"
     env = {**os.environ, "HARVEST_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 

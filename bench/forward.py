@@ -55,7 +55,7 @@ from harvest.model.points import parse_points
 from harvest.model.transformer import forward
 from harvest.model.weights import load_params, params_shape
 from harvest.runtime.chips import peak_flops_per_device
-from harvest.runtime.mesh import constrainer, describe, make_mesh
+from harvest.runtime.mesh import constrainer, make_mesh
 
 
 def parse_args() -> argparse.Namespace:
@@ -169,22 +169,26 @@ def compile_seconds(args: argparse.Namespace, layers: int) -> float:
     return min(times)
 
 
-def kernels_table(args: argparse.Namespace, load: float) -> None:
-    cfg = model_config(args.preset) if args.preset else ModelConfig.from_hf(hf_config(args, args.layers).to_dict())
-    dtype = args.dtype or default_compute_dtype()
+KERNEL_HEADER = ["rows/chip x seq", "attention", "median ms", "best ms", "tokens/s/chip", "x dense", "MFU"]
+
+
+def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str, points: str, sample_len: int,
+                dtype: str, iters: int) -> list[list[str]]:
+    """KERNEL_HEADER rows: the jitted forward capturing `points` over packed rows, per shape and kernel, on every
+    device (data parallel), params drawn on the devices (harvest.model.init)."""
     chips = jax.device_count()
     mesh = make_mesh(f"data={chips}")
     one_device = chips == 1
     params = init_params(cfg, 0, mesh, dtype=dtype)
-    plan = parse_points(args.points, cfg.num_layers)
-    kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in args.shapes), mesh)
-                               for k in args.attention.split(",")))
+    plan = parse_points(points, cfg.num_layers)
+    kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in shapes), mesh)
+                               for k in attention.split(",")))
     peak = peak_flops_per_device(dtype)
     rows = []
-    for per_chip, seq in args.shapes:
+    for per_chip, seq in shapes:
         batch = per_chip * chips
         host = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
-        segments = packed_segments(batch, seq, args.sample_len)
+        segments = packed_segments(batch, seq, sample_len)
         tokens, segs = (jax.device_put(a, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
                         for a in (host, segments))
         real = int(np.count_nonzero(segments))
@@ -194,18 +198,26 @@ def kernels_table(args: argparse.Namespace, load: float) -> None:
             run = jax.jit(partial(forward, cfg=cfg, plan=plan, attention=kind, constrain=None if one_device
                                   else constrainer(mesh), mesh=None if one_device else mesh))
             calls.append(lambda run=run: jax.block_until_ready(run(params, tokens, segs)))
-        timings = dict(zip(kinds, time_calls(calls, args.iters)))
+        timings = dict(zip(kinds, time_calls(calls, iters)))
         for kind, (median, best) in timings.items():
             ratio = f"{timings['dense'][1] / best:.2f}x" if "dense" in timings else ""
             rows.append([f"{per_chip}x{seq}", kind, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}",
                          f"{real / best / chips:,.0f}", ratio, f"{flops / best / (peak * chips):.1%}"])
+    return rows
+
+
+def kernels_table(args: argparse.Namespace, load: float) -> None:
+    cfg = model_config(args.preset) if args.preset else ModelConfig.from_hf(hf_config(args, args.layers).to_dict())
+    dtype = args.dtype or default_compute_dtype()
+    rows = kernel_rows(cfg, args.shapes, args.attention, args.points, args.sample_len, dtype, args.iters)
+    chips = jax.device_count()
     footer = (f"{args.preset or 'custom'}: {cfg.num_layers} layers, d={cfg.hidden_size}, heads {cfg.num_heads}/"
               f"{cfg.num_kv_heads} kv; capturing {args.points}; rows packed with samples ~{args.sample_len} tokens; "
-              f"{dtype}; {describe(mesh)} on {chips} x {jax.devices()[0].device_kind} (peak {peak / 1e12:.2f} "
-              f"TFLOP/s per chip). Median and best of {args.iters}; tokens/s per chip (real tokens) and MFU from the "
-              f"best. jax {jax.__version__} ({jax.default_backend()}); load average {load:.1f} before the run.")
-    show("harvest forward by attention kernel, packed rows", ["rows/chip x seq", "attention", "median ms", "best ms",
-         "tokens/s/chip", "x dense", "MFU"], rows, footer)
+              f"{dtype}; data={chips} on {chips} x {jax.devices()[0].device_kind} (peak "
+              f"{peak_flops_per_device(dtype) / 1e12:.2f} TFLOP/s per chip). Median and best of {args.iters}; "
+              f"tokens/s per chip (real tokens) and MFU from the best. jax {jax.__version__} "
+              f"({jax.default_backend()}); load average {load:.1f} before the run.")
+    show("harvest forward by attention kernel, packed rows", KERNEL_HEADER, rows, footer)
 
 
 def hf_table(args: argparse.Namespace, load: float) -> None:

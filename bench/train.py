@@ -68,18 +68,21 @@ def timed(fn, iters: int) -> list[float]:
     return times
 
 
-def main() -> None:
-    args = parse_args()
-    dtype = args.dtype or default_compute_dtype()
-    model = model_config(args.preset)
-    mesh = make_mesh(args.mesh or f"fsdp={jax.device_count()}")
-    batch = (args.batch, args.seq)
-    cfg = TrainConfig(data="-", out="-", shape=hf_fields(args.preset), tokenizer="-", steps=1000, warmup=10)
+STEP_HEADER = ["attention", "what", "median ms", "best ms", "tokens/s/chip", "x dense", "MFU"]
+
+
+def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention: str, remat: str, dtype: str,
+              mesh_spec: str | None, iters: int) -> tuple[list[list[str]], str]:
+    """STEP_HEADER rows (forward-only loss and a train step per remat policy, per kernel) and the table's footer."""
+    model = model_config(preset)
+    mesh = make_mesh(mesh_spec or f"fsdp={jax.device_count()}")
+    batch = (batch_rows, seq)
+    cfg = TrainConfig(data="-", out="-", shape=hf_fields(preset), tokenizer="-", steps=1000, warmup=10)
     optimizer = make_optimizer(cfg)
     params = init_params(model, 0, mesh)
     shardings = state_shardings(optimizer, model, mesh, jax.eval_shape(lambda p: p, params))
     host = np.random.default_rng(0).integers(0, model.vocab_size, batch).astype(np.int32)
-    segments_host = packed_segments(args.batch, args.seq, args.sample_len)
+    segments_host = packed_segments(batch_rows, seq, sample_len)
     sharding = batch_sharding(batch, mesh)
     tokens = jax.make_array_from_callback(batch, sharding, lambda i: host[i])
     segments = jax.make_array_from_callback(batch, sharding, lambda i: segments_host[i])
@@ -87,17 +90,17 @@ def main() -> None:
     useful = 3 * forward_flops_per_token(model, mean_context(segments_host), head=True) * real  # per step
     peak = peak_flops_per_device(dtype)
     chips = jax.device_count()
-    kinds = list(dict.fromkeys(resolve(k, model.sliding_windows, args.seq, mesh, backward=True)
-                               for k in args.attention.split(",")))
+    kinds = list(dict.fromkeys(resolve(k, model.sliding_windows, seq, mesh, backward=True)
+                               for k in attention.split(",")))
 
     results = []  # (kind, what, seconds per step, FLOPs per step)
     for kind in kinds:
         forward = jax.jit(partial(loss_sum, cfg=model, compute_dtype=dtype, remat="none", attention=kind,
                                   mesh=mesh))
-        results.append((kind, "forward only", timed(lambda f=forward: f(params, tokens, segments), args.iters),
+        results.append((kind, "forward only", timed(lambda f=forward: f(params, tokens, segments), iters),
                         useful / 3))
-        for remat in args.remat.split(","):
-            step = make_step(model, mesh, optimizer, shardings, compute_dtype=dtype, remat=remat, grad_accum=1,
+        for policy in remat.split(","):
+            step = make_step(model, mesh, optimizer, shardings, compute_dtype=dtype, remat=policy, grad_accum=1,
                              batch_shape=batch, lr_at=learning_rate(cfg), attention=kind)
             box = [init_state(params, optimizer, shardings)]
 
@@ -105,7 +108,7 @@ def main() -> None:
                 box[0], metrics = step(box[0], tokens, segments)
                 return metrics["loss"]
 
-            results.append((kind, f"train step, remat {remat}", timed(run, args.iters), useful))
+            results.append((kind, f"train step, remat {policy}", timed(run, iters), useful))
 
     dense_best = {what: min(times) for kind, what, times, _ in results if kind == "dense"}
     rows = []
@@ -115,13 +118,19 @@ def main() -> None:
         rows.append([kind, what, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}", f"{real / best / chips:,.0f}", ratio,
                      f"{flops / best / (peak * chips):.1%}"])
     load = open("/proc/loadavg").read().split()[0] if jax.default_backend() == "cpu" else "-"
-    footer = (f"{args.preset}: {model.num_layers} layers, d={model.hidden_size}, vocab {model.vocab_size}; "
-              f"{args.batch} rows x {args.seq}, samples ~{args.sample_len} tokens ({real:,} real tokens a step); "
+    footer = (f"{preset}: {model.num_layers} layers, d={model.hidden_size}, vocab {model.vocab_size}; "
+              f"{batch_rows} rows x {seq}, samples ~{sample_len} tokens ({real:,} real tokens a step); "
               f"{dtype}; mesh {describe(mesh)} on {chips} x {jax.devices()[0].device_kind}, peak "
               f"{peak / 1e12:.2f} TFLOP/s per chip. tokens/s per chip from the best step; x dense: the dense kernel's "
               f"best time over this one's; MFU: useful FLOPs (same for every kernel) / peak. Load average {load}.")
-    show("harvest train step: tokens/s per chip by attention kernel", ["attention", "what", "median ms", "best ms",
-         "tokens/s/chip", "x dense", "MFU"], rows, footer)
+    return rows, footer
+
+
+def main() -> None:
+    args = parse_args()
+    rows, footer = step_rows(args.preset, args.batch, args.seq, args.sample_len, args.attention, args.remat,
+                             args.dtype or default_compute_dtype(), args.mesh, args.iters)
+    show("harvest train step: tokens/s per chip by attention kernel", STEP_HEADER, rows, footer)
 
 
 if __name__ == "__main__":

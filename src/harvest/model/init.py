@@ -1,20 +1,25 @@
-"""Fresh params from a shape alone (training from scratch), placed straight into their shardings.
+"""Fresh params from a shape alone (training from scratch), drawn on the devices straight into their shardings.
 
 The layout is `weights.param_specs` (the one description of our tensors); values follow HF's
 initialization of these families: normal(0, initializer_range) for matrices, ones for norms, zeros
-for biases. Each (tensor, layer) is drawn on the host from its own seed, so the values do not depend on
-the mesh, and each process draws only the layers its devices hold (XLA compiles jax.random slowly on
-CPU: ~2 s per tensor).
+for biases. One jitted program draws the whole tree with `out_shardings` set, so each device computes only
+its own shard and no host ever holds a whole tensor (a 7B model in bf16 is 15 GB: drawn on a host and copied,
+it took minutes). Each (tensor, layer) has its own key, folded from the seed, and jax's partitionable threefry
+(its default since 0.5) makes the values independent of the mesh: one seed gives the same params on 1 device
+or on a pod.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from harvest.model.config import ModelConfig
-from harvest.model.weights import ParamSpec, param_specs, tree_get, tree_set
+from harvest.model.weights import ParamSpec, param_specs, tree_set
 from harvest.runtime.mesh import logical_sharding
 
 
@@ -31,30 +36,41 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
     return shardings
 
 
+@functools.lru_cache(maxsize=8)
+def init_program(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32", initializer_range: float = 0.02):
+    """The jitted program seed -> params (one per shape: every seed and every later job load it compiled; lower it
+    to see its cost without running it)."""
+    specs = sorted(param_specs(cfg, head=True).items())
+
+    def build(seed: jax.Array) -> dict:
+        params: dict = {}
+        root = jax.random.key(seed)
+        for index, (path, spec) in enumerate(specs):
+            tree_set(params, path, _draw(path, spec, cfg.num_layers, jax.random.fold_in(root, index),
+                                         initializer_range, dtype))
+        return params
+
+    return jax.jit(build, out_shardings=param_shardings(cfg, mesh))
+
+
 def init_params(cfg: ModelConfig, seed: int, mesh: Mesh, dtype: str = "float32",
                 initializer_range: float = 0.02) -> dict:
-    """Params for `cfg` (drawn in fp32, stored as `dtype`)."""
-    params: dict = {}
-    shardings = param_shardings(cfg, mesh)
-    for index, (path, spec) in enumerate(sorted(param_specs(cfg, head=True).items())):
-        shape = _full_shape(cfg, spec)
-        leaf = path.rsplit("/", 1)[-1]
-        kind = "ones" if leaf.endswith("norm") else "zeros" if leaf.endswith("bias") else "normal"
-
-        def block(index_in, index=index, kind=kind, spec=spec, shape=shape):
-            layers = range(*index_in[0].indices(shape[0])) if spec.layered else [None]
-            inner = index_in[1:] if spec.layered else index_in
-            parts = [_draw(kind, spec.shape, (seed, index, -1 if layer is None else layer), initializer_range)[inner]
-                     for layer in layers]
-            return (np.stack(parts) if spec.layered else parts[0]).astype(dtype)
-
-        tree_set(params, path, jax.make_array_from_callback(shape, tree_get(shardings, path), block))
-    return params
+    """Params for `cfg` (drawn in fp32, stored as `dtype`), sharded over `mesh` as its logical rules say."""
+    return init_program(cfg, mesh, dtype, initializer_range)(np.uint32(seed & 0xFFFFFFFF))  # jax keys: 32 bits
 
 
-def _draw(kind: str, shape: tuple[int, ...], key: tuple[int, int, int], scale: float) -> np.ndarray:
-    if kind == "ones":
-        return np.ones(shape, np.float32)
-    if kind == "zeros":
-        return np.zeros(shape, np.float32)
-    return scale * np.random.default_rng([key[0], key[1], key[2] + 1]).standard_normal(shape, np.float32)
+def _draw(path: str, spec: ParamSpec, layers: int, key: jax.Array, scale: float, dtype: str) -> jax.Array:
+    """One tensor, drawn in fp32 and stored as `dtype`; a layered one draws layer by layer (lax.map: one layer's
+    scratch at a time, not the whole stack's) from each layer's own key, so layer i does not depend on depth."""
+    leaf = path.rsplit("/", 1)[-1]
+    if leaf.endswith("norm"):
+        return jnp.ones(((layers,) if spec.layered else ()) + spec.shape, dtype)
+    if leaf.endswith("bias"):
+        return jnp.zeros(((layers,) if spec.layered else ()) + spec.shape, dtype)
+
+    def normal(k: jax.Array) -> jax.Array:
+        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    if not spec.layered:
+        return normal(key)
+    return jax.lax.map(lambda layer: normal(jax.random.fold_in(key, layer)), jnp.arange(layers))

@@ -1,6 +1,11 @@
 """harvest's local cache, $HARVEST_CACHE (default ~/.cache/harvest): the demo checkpoint, checkpoint staging,
 and JAX's persistent compilation cache, which lets a repeated or resumed run load its compiled programs
-instead of compiling them again (seconds on a CPU, minutes for a large model on a pod)."""
+instead of compiling them again (seconds on a CPU, minutes for a large model on a pod).
+
+$JAX_COMPILATION_CACHE_DIR may name a bucket (gs://BUCKET/RUN/compiled: jax reads it through gcsfs), so that a
+fleet's workers after the first load the program one of them compiled. Against fake-gcs-server on a 2-core CPU
+the 0.5B forward loaded from there in 6.4 s against 8.5-9.6 s to compile it and 1.9 s from local disk: it pays
+only where compiling takes more than a few seconds (a chip, a large model), which is not yet measured."""
 
 from __future__ import annotations
 
