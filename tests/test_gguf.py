@@ -194,3 +194,19 @@ def test_a_trained_sae_recovers_the_loss_a_trivial_one_does_not(checkpoint, tmp_
     trivial, trained = (results[s]["downstream"]["ce_loss_recovered"] for s in (1, 120))
     print(f"CE loss recovered: trained {trained:.3f}, trivial {trivial:.3f}; fvu {results[120]['fvu']:.3f}")
     assert trained >= 0.5 and trained - trivial >= 0.3, results
+
+
+def test_a_url_and_a_directory_give_the_same_checkpoint(checkpoint, gguf_dir, tmp_path):
+    """The GGUF served over http (loopback) is downloaded once and lands on the same sha256-keyed checkpoint."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(gguf_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert resolve_checkpoint(f"http://127.0.0.1:{server.server_port}/{NAME}") == checkpoint
+    finally:
+        server.shutdown()
+    assert resolve_checkpoint(str(gguf_dir)) == checkpoint  # the directory holding exactly one

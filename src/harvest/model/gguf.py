@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,6 +44,7 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+log = logging.getLogger(__name__)
 
 
 class GgufError(UserError):
@@ -59,8 +61,8 @@ def gguf_in(directory: Path) -> Path | None:
         return None
     found = sorted(directory.glob("*.gguf"))
     if len(found) > 1:
-        raise GgufError(f"--model {directory}: holds {len(found)} .gguf files ({', '.join(f.name for f in found[:4])}); "
-                        "name the one to use")
+        names = ", ".join(f.name for f in found[:4])
+        raise GgufError(f"--model {directory}: holds {len(found)} .gguf files ({names}); name the one to use")
     return found[0] if found else None
 
 
@@ -72,6 +74,7 @@ def materialize(model: str) -> Path:
     if (out / "model.safetensors").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("%s: dequantizing into %s (once; later commands find it there)", model, out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=out.parent))
     try:
         convert(local, tmp, source=model)
@@ -240,6 +243,7 @@ def _local_copy(model: str) -> Path:
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("%s: downloading to %s", model, path)
     tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
