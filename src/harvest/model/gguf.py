@@ -73,11 +73,13 @@ def materialize(model: str) -> Path:
     out = cache.root() / "gguf" / digest
     if (out / "model.safetensors").exists():
         return out
+    reader = _reader(local, model)
+    config = hf_config(reader, model)  # refused before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     log.info("%s: dequantizing into %s (once; later commands find it there)", model, out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{digest[:12]}-", dir=out.parent))
     try:
-        convert(local, tmp, source=model)
+        convert(reader, config, tmp, source=model)
         (tmp / "gguf.json").write_text(json.dumps({"source": model, "sha256": digest}, indent=1) + "\n")
         try:
             tmp.rename(out)
@@ -89,13 +91,10 @@ def materialize(model: str) -> Path:
     return out
 
 
-def convert(path: Path, out: Path, source: str | None = None) -> None:
-    """Write config.json, model.safetensors (float32) and the tokenizer of the GGUF file `path` into `out`."""
+def convert(reader, config: dict[str, Any], out: Path, source: str) -> None:
+    """Write config.json, model.safetensors (float32) and the tokenizer of a GGUF (its reader and hf_config)."""
     from safetensors.numpy import save_file
 
-    source = source or str(path)
-    reader = _reader(path, source)
-    config = hf_config(reader, source)
     tensors = hf_tensors(reader, config, source)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
