@@ -1,7 +1,7 @@
 """A training job's progress, read from its run in the group's bucket (what `harvest fleet status` shows for
 train: and sae: fleets): the newest record of RUN/metrics.jsonl, which process 0 of the trainer appends every
 `log_every` steps (harvest.train.runlog.MetricsFile: step, loss or fvu, tokens/s, time), and the newest
-complete checkpoint (every process's part of one attempt, harvest.store.step_parts). Read-only."""
+complete checkpoint (every process's part of one attempt, harvest.train.step_parts). Read-only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import time
 
 from harvest.storage import Storage
-from harvest.store import step_parts
+from harvest.train import step_parts
 
 TAIL_BYTES = 64 * 1024  # the newest record is in the file's last bytes (a week's file holds ~100k records)
 # A running trainer that has logged nothing for this long is stale (a hung host, a stuck collective).
