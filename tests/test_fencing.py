@@ -1,5 +1,5 @@
 """Exactly once under the faults a fleet meets, with the real CLI in subprocesses: two identical commands
-started together (one extracts, the other stops at once); two containers on one VM, alike in worker id,
+started together (one extracts, the other stops when it sees the first's lease move); two containers on one VM, alike in worker id,
 host, boot and pid; a worker that keeps its long TTL against a command with a short one, and against one
 whose clock runs an hour ahead; a worker stopped (SIGSTOP) past --lease-ttl, whose streams another worker
 takes over and finishes, wakes up (SIGCONT) and exits without committing anything; a writer stopped
@@ -106,14 +106,18 @@ def assert_verified(url: str, env) -> None:
 
 
 def test_two_identical_commands_at_once_one_extracts(setup):
+    """Two terminals, one command: the second watches the first's lease (a holder running on this host is
+    watched like any other: only its TTL of silence would free it), sees it move and stops with one line."""
     out = str(setup.root / "twins")
-    twins = [start(setup, out, log=f"twin{i}.log") for i in range(2)]
+    # The holder's first commit waits 15 s (heartbeats going on), so that the other surely watches it meanwhile.
+    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:15"}
+    twins = [start(setup, out, "--lease-ttl", str(TTL), log=f"twin{i}.log", env=env) for i in range(2)]
     codes = [p.wait(timeout=300) for p in twins]
     assert sorted(codes) == [0, 2], codes
     winner, loser = (twins[0], 1) if codes[0] == 0 else (twins[1], 0)
     line = error_line(setup, f"twin{loser}.log")
     host = socket.gethostname()
-    assert f"held by worker '{host}:0' on {host} (pid {winner.pid})" in line, line
+    assert f"held by worker '{host}:0' on {host} (pid {winner.pid}), whose lease moved" in line, line
     assert committed(out) == setup.reference  # the refused twin wrote nothing of its own
     assert_verified(out, harvest_env(setup.cache))
 

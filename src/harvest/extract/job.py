@@ -1,7 +1,9 @@
 """The extraction job: streams -> packed batches -> forward with captures -> shards, exactly once.
 
 `run_extract` checks everything that could refuse the command, takes the leases, writes run.json, loads
-the model and runs the pipeline (harvest.extract.pipeline) over this worker's streams.
+the model and runs the pipeline (harvest.extract.pipeline) over this worker's streams. SIGTERM (a spot VM's
+preemption notice) stops it within seconds: no batch is taken after it, the shards already closed are
+committed, the leases released, and the command exits 75 (RetryLater) so that a rerun resumes at once.
 Each data slot of the mesh (data x fsdp) works through its own streams, one at a time; a row never
 spans two streams. Resume is the default: each stream restarts from its committed shards.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import re
 import socket
 import time
 from typing import Any, Iterator
@@ -20,7 +23,7 @@ import numpy as np
 from harvest.config import ExtractConfig
 from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
-from harvest.errors import UserError
+from harvest.errors import RetryLater, UserError
 from harvest.extract.pipeline import run_pipeline
 from harvest.extract.report import Progress, summarize
 from harvest.extract.runinfo import agreed, build_run_info, check_run
@@ -39,8 +42,9 @@ from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
+from harvest.runtime.sigterm import SigtermFlag
 from harvest.store import format as fmt
-from harvest.store.commit import Committer, ResumePoint, read_chain, sweep
+from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
 from harvest.storage import Storage
 from harvest.store.lease import LEASE, Leases
 
@@ -98,21 +102,25 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     failure: list[BaseException] = []
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
-    leases.acquire(mine)  # --overwrite included: never delete streams that another worker holds
-    try:
-        if cfg.overwrite:
-            distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
-            _wipe(out, mine, run_json=whole and jax.process_index() == 0)
-            distributed.barrier("harvest-overwrite")
-        for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
-            out.remove_stale_temps(fmt.stream_dir(stream))
-        if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
-            check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
-        # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
-        decoder = load_decoder(checkpoint, cfg.points, mesh, **decoding)
-        return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure)
-    finally:
-        leases.release_all()
+    # A full --overwrite with fewer streams drops the run's others (process 0 does, under their leases).
+    dropped = _streams_beyond(out, data.num_streams) if cfg.overwrite and whole and jax.process_index() == 0 else []
+    with SigtermFlag() as sigterm:
+        leases.acquire(mine + dropped)  # --overwrite included: never delete streams that another worker holds
+        try:
+            if cfg.overwrite:
+                distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
+                _wipe(out, mine, dropped, leases, run_json=whole and jax.process_index() == 0)
+                distributed.barrier("harvest-overwrite")
+            for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
+                out.remove_stale_temps(fmt.stream_dir(stream))
+            if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
+                check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
+            # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
+            decoder = load_decoder(checkpoint, cfg.points, mesh, **decoding)
+            return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure,
+                            sigterm)
+        finally:
+            leases.release_all()
 
 
 def _in_background(fn, *args) -> concurrent.futures.Future:
@@ -154,22 +162,31 @@ def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
     return chosen
 
 
-def _wipe(out: Storage, streams_to_wipe: list[int], run_json: bool) -> None:
+def _streams_beyond(out: Storage, num_streams: int) -> list[int]:
+    """The run's streams numbered `num_streams` and up (its directories)."""
+    found = (re.fullmatch(r"stream_(\d{5})", name) for name in out.listdir())
+    return sorted(n for m in found if m and (n := int(m.group(1))) >= num_streams)
+
+
+def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: Leases, run_json: bool) -> None:
+    """--overwrite, under the leases of every stream named (harvest.store.commit.wipe: what it keeps and why)."""
     for stream in streams_to_wipe:
-        directory = fmt.stream_dir(stream)
-        names = [name for name in out.listdir(directory) if name != LEASE]  # ours: --overwrite runs under it
-        for commits in (True, False):  # sidecars first: no committed shard is ever left without its data
-            out.delete_many(f"{directory}/{name}" for name in names if name.endswith(".json") == commits)
+        wipe(out, stream, leases.confirm, keep={LEASE})  # the lease is ours: --overwrite runs under it
+    for stream in dropped:
+        wipe(out, stream, leases.confirm, keep={LEASE}, whole=True)
+        leases.forget(stream)
     if run_json:
         out.delete("run.json")
 
 
 def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
-             out: Storage, leases: Leases, info, failure: list[BaseException]) -> dict[str, Any]:
-    chains = {s: read_chain(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
+             out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag) -> dict[str, Any]:
+    # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
+    # wiped by --overwrite starts afresh without reading it again: a stalled writer's commit landing after the
+    # wipe is met by this run's commit of that shard (CommitLost), never read as a gap in the chain.
+    chains = {s: [] if cfg.overwrite else sweep(out, s) if s in mine else read_chain(out, s)
+              for streams_of_slot in slots.values() for s in streams_of_slot}
     resume = {s: ResumePoint.after(chain) for s, chain in chains.items()}
-    for stream in mine:  # ours now: what writers that lost the stream left behind, where it can never be committed
-        sweep(out, stream, chains[stream])
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
     widths = info.tensors
@@ -193,8 +210,11 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
 
     start = time.monotonic()
     with progress.display(), distributed.peers_watched():
-        run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer, progress,
-                     failure, compiled)
+        stopped = run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer,
+                               progress, failure, compiled, stop=lambda: sigterm.raised)
+    if stopped:
+        raise RetryLater("stopped on SIGTERM: the shards closed by then are committed, the leases released; rerun "
+                         "the same command to resume")
     for stream in writers:
         leases.release(stream)
     with distributed.peers_watched():

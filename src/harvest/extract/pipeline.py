@@ -4,7 +4,9 @@ nothing is dropped):
   main thread     runs the forward on device and starts the device->host copies;
   host thread     takes the captures to host numpy and cuts them into shards, which the Committer's
                   threads encode and write (data, then sidecar).
-A stage's exception reaches the main thread (and every stage stops); so does a lost lease.
+A stage's exception reaches the main thread (and every stage stops); so does a lost lease. `stop()` (SIGTERM)
+ends the run early on every process together: no batch is taken after it, the shards already closed are
+committed and the rows of the shards still open are dropped (a rerun computes them again).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import queue
 from concurrent.futures import Future
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -30,21 +32,26 @@ QUEUE_DEPTH = 2
 
 def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batch_size: int, seq_len: int,
                  writers: dict, committer: Committer, progress: Progress, failure: list[BaseException],
-                 compiled: Future | None = None) -> None:
-    """Feed, forward and write until every slot's streams are done (on every process together); returns
-    when the last shard is committed, raises the first failure of any stage. `compiled`: the forward's
-    compile under way (model.compile_forward), awaited before the first batch."""
+                 compiled: Future | None = None, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Feed, forward and write until every slot's streams are done (on every process together), or until
+    `stop()` is true on any process; returns whether it stopped early, when the shards closed by then are
+    committed. Raises the first failure of any stage. `compiled`: the forward's compile under way
+    (model.compile_forward), awaited before the first batch."""
     num_slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
     shape = (num_slots * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure), failure)
+    halt = threading.Event()
+    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure, halt), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
     if compiled is not None:
         compiled.result()  # while the feeder makes the first rows
-    local_done = False
+    local_done = stopped = False
     while True:
+        if distributed.any_true(stop()):
+            stopped = True
+            break
         batch = None if local_done else get(batches, failure)
         local_done = batch is None
         # Every process runs every step (the model may span hosts); the run ends on all of them together.
@@ -56,10 +63,12 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
                 for shard in local_blocks(array):
                     shard.data.copy_to_host_async()
             put(captured, (batch, *outputs), failure)
+    halt.set()
     put(captured, None, failure)
     host.join(failure)
     feeder.join(failure)
     committer.close()
+    return stopped
 
 
 @dataclasses.dataclass
@@ -101,13 +110,16 @@ class Stage(threading.Thread):
             raise failure[0]
 
 
-def put(q: queue.Queue, item, failure: list[BaseException]) -> None:
+def put(q: queue.Queue, item, failure: list[BaseException], halt: threading.Event | None = None) -> bool:
+    """Put `item` when there is room; False (not put) once `halt` is set."""
     while True:
         if failure:
             raise failure[0]
+        if halt is not None and halt.is_set():
+            return False
         try:
             q.put(item, timeout=0.5)
-            return
+            return True
         except queue.Full:
             continue
 
@@ -123,9 +135,9 @@ def get(q: queue.Queue, failure: list[BaseException]):
 
 
 def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
-          failure: list[BaseException]) -> None:
+          failure: list[BaseException], halt: threading.Event) -> None:
     """Batches of `batch_size` rows for each slot this process feeds (the other blocks stay empty: other
-    processes feed them); a slot out of streams pads with empty rows."""
+    processes feed them); a slot out of streams pads with empty rows. Stops when `halt` is set."""
     iterators = {k: _chain(streams_of_slot, stream_rows) for k, streams_of_slot in slots.items()}
     live = {k: True for k in slots}
     while any(live.values()):
@@ -139,9 +151,9 @@ def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple
                     continue
                 rows[i] = item
                 tokens[i], segments[i] = item[1].tokens, item[1].segments
-        if any(rows):
-            put(batches, Batch(tokens, segments, rows), failure)
-    put(batches, None, failure)
+        if any(rows) and not put(batches, Batch(tokens, segments, rows), failure, halt):
+            return
+    put(batches, None, failure, halt)
 
 
 def _chain(stream_ids: list[int], stream_rows) -> Iterator[tuple[int, Row]]:

@@ -65,12 +65,13 @@ def _data_url(spec: str) -> str:
 
 
 def agreed(info: RunInfo) -> dict[str, Any]:
-    """What two commands writing into one run must agree on (not flags like --batch-size or --streams)."""
+    """What two commands writing into one run must agree on (not flags like --batch-size or --streams): the
+    format version too, so that a harvest that writes another format never appends to the run."""
     settings = {k: info.config.get(k) for k in ExtractConfig.OUTPUT_FIELDS}
     data = dict(info.data)
     if data.get("sha256"):  # streams: their content (streams.json's sha256 per file) decides, not their URL
         data.pop("source", None)
-    return {"model": info.model.get("config_sha256"), "tokenizer": info.tokenizer_sha256, "data": data,
+    return {"format_version": info.format_version, "model": info.model.get("config_sha256"), "tokenizer": info.tokenizer_sha256, "data": data,
             "tensors": info.tensors, "compute_dtype": info.compute_dtype, **settings}
 
 

@@ -1,9 +1,13 @@
 """Local disk (or any mounted filesystem): atomic writes by temp file, fsync and rename; conditional
-creates by link(2); compare-and-swap under a directory flock."""
+creates by link(2), or where a filesystem has no hard links (some FUSE/SMB mounts) by rename-if-absent
+(Linux renameat2 RENAME_NOREPLACE), else by a rename under the directory flock; compare-and-swap under that
+flock. Every write completes its temp file first: no name is ever seen with partial content, and a write
+that fails (ENOSPC, a kill) leaves at most a hidden temp file, removed at once or by the next holder."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -87,24 +91,25 @@ class LocalBackend(Backend):
             raise PreconditionFailed(path)
         tmp = _tmp_name(path)
         try:
-            _write_synced(tmp, [data])
-            try:
-                os.link(tmp, path)  # atomic, and fails if `path` exists: O_EXCL with complete content
-            except FileExistsError:
-                raise PreconditionFailed(path) from None
-            except OSError as e:
-                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
-                    raise
-                # A filesystem without hard links (some FUSE/SMB mounts): plain O_EXCL. The name is then
-                # visible a moment before its content is complete.
-                try:
-                    _write_synced(path, [data])
-                except FileExistsError:
-                    raise PreconditionFailed(path) from None
+            _write_synced(tmp, [data])  # complete and synced before its final name exists
+            if not _link_if_absent(tmp, path) and not _rename_if_absent(tmp, path):
+                self._rename_under_lock(tmp, path)
         finally:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
         _fsync_dir(d)
+
+    def _rename_under_lock(self, tmp: str, path: str) -> None:
+        """Create-if-absent where the filesystem has neither hard links nor rename-if-absent: the check and
+        the rename under the directory flock, which compare-and-swaps (`replace`) take too."""
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            self._flock(fd)
+            if os.path.lexists(path):
+                raise PreconditionFailed(path)
+            os.replace(tmp, path)
+        finally:
+            os.close(fd)
 
     def replace(self, path: str, data: bytes, token: str) -> None:
         """The new bytes are written and synced first; the lock covers only the compare and the rename, so a
@@ -193,6 +198,42 @@ class _LocalUpload(Upload):
         self._f.close()
         with contextlib.suppress(OSError):
             os.remove(self._tmp)
+
+
+_NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)  # a filesystem without them
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_libc = ctypes.CDLL(None, use_errno=True)
+_renameat2 = getattr(_libc, "renameat2", None)  # glibc >= 2.28
+
+
+def _link_if_absent(tmp: str, path: str) -> bool:
+    """Give `tmp`'s complete content the name `path` only if absent (PreconditionFailed if present); False
+    where the filesystem has no hard links."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        raise PreconditionFailed(path) from None
+    except OSError as e:
+        if e.errno not in _NO_LINKS:
+            raise
+        return False
+
+
+def _rename_if_absent(tmp: str, path: str) -> bool:
+    """Rename `tmp` to `path` only if absent (renameat2 RENAME_NOREPLACE; PreconditionFailed if present);
+    False where neither the C library nor the filesystem offers it."""
+    if _renameat2 is None:
+        return False
+    at_cwd = -100  # AT_FDCWD
+    if _renameat2(at_cwd, os.fsencode(tmp), at_cwd, os.fsencode(path), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        raise PreconditionFailed(path)
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), path)
 
 
 def _makedirs(d: str) -> None:

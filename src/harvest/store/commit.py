@@ -5,6 +5,15 @@ So each stream's sidecars form one contiguous chain, every sample is committed o
 names a data object that exists, whatever the timing of the writers, their clocks and their flags.
 Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
 
+`--overwrite` empties a stream under its lease (`wipe`), by one rule: a wipe deletes a stream's sidecars but
+no data object that a writer could still commit: on object storage none (a create whose request lands late
+may commit any of them again), on local disk none but those the sidecars named (their writers are done with
+them). A stalled or fenced writer (stopped between its last lease check and its create) thus never creates a
+sidecar naming a deleted object, and what it commits late is a shard computed with the same settings (a
+partial overwrite keeps run.json); `sweep` deletes the other objects once their shard is committed to another
+object or lies past the stream's final shard. A stream the new run.json no longer names (a full overwrite with
+fewer streams) is deleted whole: no reader of the run looks there.
+
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
 bounded queues (when storage falls behind the producer waits; nothing is dropped); `ResumePoint` says where
 each stream stands after its chain of committed shards (harvest.store.listing.read_chain, strict: the one
@@ -105,12 +114,41 @@ def leftovers(names: list[str], chain: list[Sidecar]) -> list[str]:
     return out
 
 
-def sweep(storage: Storage, stream: int, chain: list[Sidecar]) -> list[str]:
-    """Delete the stream's leftovers (see `leftovers`); returns their names."""
+def sweep(storage: Storage, stream: int) -> list[Sidecar]:
+    """Delete the stream's leftovers (see `leftovers`); returns its chain. The directory is listed before the
+    chain is read, so a data object listed is judged by sidecars at least as new as itself: a wipe and new
+    commits meanwhile (another writer's --overwrite) never make a newly committed object look like a leftover."""
     directory = fmt.stream_dir(stream)
-    names = leftovers(storage.listdir(directory), chain)
-    storage.delete_many(f"{directory}/{name}" for name in names)
-    return names
+    names = storage.listdir(directory)
+    chain = read_chain(storage, stream)
+    storage.delete_many(f"{directory}/{name}" for name in leftovers(names, chain))
+    return chain
+
+
+def wipe(storage: Storage, stream: int, guard: Callable[[int], None], *, keep: set[str], whole: bool = False) -> None:
+    """Empty `stream` for --overwrite, by the rule of the module docstring: its sidecars first (no committed
+    shard is ever left without its data), then its other records (progress) and, on local disk, the data
+    objects the sidecars named, keeping the names in `keep` (its lease, held by the caller). `guard(stream)`
+    runs before each delete and confirms the lease (`Leases.confirm`): a wiper that lost the stream deletes
+    nothing more, and a delete sent has the lease's whole TTL to land before anyone else may take the stream.
+    `whole`: the stream leaves the run, so its whole directory goes."""
+    directory = fmt.stream_dir(stream)
+    names = storage.listdir(directory)
+    sidecars = [name for name in names if _SIDECAR.match(name)]
+    named = set()
+    for name in sidecars if storage.is_local else []:
+        try:
+            named.add(Sidecar.from_bytes(storage.read_bytes(f"{directory}/{name}")).file)
+        except ValueError:
+            pass  # not a sidecar: it commits nothing
+    guard(stream)
+    storage.delete_many(f"{directory}/{name}" for name in sidecars)
+    guard(stream)
+    if whole:
+        storage.delete_tree(directory)
+        return
+    storage.delete_many(f"{directory}/{name}" for name in names if name not in keep and name not in sidecars
+                        and (fmt.data_file_shard(name) is None or name in named))
 
 
 def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callable[[int], None]) -> None:
@@ -246,4 +284,4 @@ class Committer:
         self.guard(shard.stream)
         self.on_commit(manifest)
         if shard.final:  # what writers that lost the stream left behind, now that none of it can be committed
-            sweep(self.storage, shard.stream, read_chain(self.storage, shard.stream))
+            sweep(self.storage, shard.stream)

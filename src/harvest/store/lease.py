@@ -6,15 +6,18 @@ commit itself: harvest.store.commit); leases keep two workers from computing the
 Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
 object's version (`Storage.replace_if`), so of two contenders exactly one wins.
 
-Who may take a lease held by someone else, with no wall clock compared across hosts:
-- anyone, once it is released;
-- anyone, after watching it unchanged for the holder's own TTL on this process's monotonic clock (a lease
-  whose version moves meanwhile has a live holder: the taker stops, `LeaseHeld`, exit 2, writing nothing);
-- the same worker id at once, when its holder is provably gone: another boot of this host, or a process of
-  this boot and pid namespace that no longer runs.
-Nobody takes a lease whose holder provably runs (that pid, with its start time, in this boot and pid
-namespace): the taker stops at once. Containers on one VM share host and boot but not the pid namespace,
-so they prove nothing about each other either way and watch the version like anyone else.
+Staleness is decided by the TTL alone, wherever the taker runs, with no wall clock compared across hosts:
+- anyone takes a released lease at once;
+- anyone takes a lease after watching it unchanged for the holder's own TTL on this process's monotonic
+  clock (stopped, hung or gone, its holder no longer renews); a lease whose version moves meanwhile has a
+  live holder: the taker stops, `LeaseHeld`, exit 2, writing nothing;
+- the same worker id takes it at once when its holder is proven dead: a process of this boot and pid
+  namespace whose pid no longer runs (or runs another program, or is a zombie: killed, not yet reaped).
+A liveness check only ever shortens the wait for a holder proven dead: a holder seen running on this
+machine is watched like any other (a hung or stopped one is taken over after its TTL). The machine is
+its boot id (a kernel's, shared by its containers), not its hostname, which another VM or container may
+share; another boot proves nothing (another VM, or this one rebooted), and neither does another pid
+namespace (containers on one VM).
 
 A holder whose heartbeat finds another holder, or that cannot refresh for half its TTL, is fenced out:
 `check(stream)` raises from then on; the committer calls it before each write of the stream, and `on_lost`
@@ -63,35 +66,38 @@ def _pid_namespace(pid: int | str = "self") -> str:
         return ""
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [state, ppid, ...] ([] where there is no such process)."""
+    stat = _read_first_line(f"/proc/{pid}/stat")
+    return stat.rsplit(")", 1)[-1].split() if ")" in stat else []
+
+
 def _start_ticks(pid: int) -> str:
     """When process `pid` of this namespace started (clock ticks since boot): tells a reused pid apart."""
-    stat = _read_first_line(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[-1].split()[19] if ")" in stat else ""
+    fields = _stat_fields(pid)
+    return fields[19] if len(fields) > 19 else ""
 
 
 def process_key(pid: int | None = None) -> str:
-    """`boot:pid-namespace:pid:start` of a process of this host ('' parts where unknown)."""
+    """`boot:pid-namespace:pid:start` of a process of this machine ('' parts where unknown)."""
     pid = os.getpid() if pid is None else pid
     boot = _read_first_line("/proc/sys/kernel/random/boot_id")
     return f"{boot}:{_pid_namespace()}:{pid}:{_start_ticks(pid)}"
 
 
-def holder_alive(record: LeaseRecord, host: str) -> bool | None:
-    """Whether the process that wrote `record` still runs, where this host can prove it: False when it ran
-    here and the host rebooted since, or it ran in this boot and pid namespace and that pid is gone or now
-    another process; True when that very process (pid and start time) still runs here; None otherwise
-    (another host, or another container: pid namespaces make pids prove nothing across them)."""
-    if record.host != host or record.process.count(":") != 3:
+def holder_alive(record: LeaseRecord) -> bool | None:
+    """Whether the process that wrote `record` still runs, where this machine can prove it (the record's
+    process key, of its boot and pid namespace; never its hostname): False when that pid is gone, runs
+    another process, or is a zombie (killed, not reaped: it never writes again); True when that very process
+    still runs; None otherwise (another boot, another pid namespace, or no key)."""
+    if record.process.count(":") != 3:
         return None
     boot, ns, pid, start = record.process.split(":")
     my_boot, my_ns, _, _ = process_key().split(":")
-    if not boot or not my_boot:
+    if not boot or boot != my_boot or not ns or ns != my_ns or not pid.isdigit() or not start:
         return None
-    if boot != my_boot:
-        return False
-    if not ns or ns != my_ns or not pid.isdigit() or not start:
-        return None
-    return _start_ticks(int(pid)) == start
+    fields = _stat_fields(int(pid))
+    return len(fields) > 19 and fields[19] == start and fields[0] not in ("Z", "X")
 
 
 class _Held:
@@ -194,11 +200,8 @@ class Leases:
                 self._held[stream] = _Held(held, current.token, first_sent or self.clock.monotonic())
                 return None
             now = self.clock.monotonic()
-            alive = None if held.released else holder_alive(held, self.host)
-            if alive:
-                raise LeaseHeld(f"stream {stream} is held by {held.describe()}, which runs on this host; give each "
-                                "worker its own --streams (and --worker-id), or rerun after it stopped")
-            if not (held.released or (held.worker == self.worker and alive is False)):
+            dead = not held.released and held.worker == self.worker and holder_alive(held) is False
+            if not (held.released or dead):
                 if watched is None or first_sent is not None:
                     return _Watched(held, current.token, now)
                 if current.token != watched.token:
@@ -250,6 +253,12 @@ class Leases:
         lost = self._lost.get(stream)
         if lost is not None:
             raise lost
+
+    def confirm(self, stream: int) -> None:
+        """Refresh the lease now, then `check`: before a delete that must land while this worker holds the stream
+        (a wipe). A taker waits a whole TTL from then, so the delete has that long to land."""
+        self.refresh(stream)
+        self.check(stream)
 
     def lose(self, stream: int, error: UserError) -> UserError:
         """Record that this worker may no longer write `stream` (e.g. another writer committed its next
@@ -323,6 +332,11 @@ class Leases:
                 self.storage.replace_if(_rel(stream), released.to_bytes(), held.token)
             except UserError as e:  # it is taken over after its TTL instead
                 log.warning("stream %d: could not release its lease (%s)", stream, e)
+
+    def forget(self, stream: int) -> None:
+        """Stop holding `stream` without writing its lease: the caller deleted it with the stream."""
+        with self._state:
+            self._held.pop(stream, None)
 
     def release_all(self) -> None:
         self._stop.set()

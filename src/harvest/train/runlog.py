@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from typing import Any
 
 import jax
 
 from harvest.errors import UserError
+from harvest.runtime import sigterm
 from harvest.storage import Storage
 
 RUN_JSON = "run.json"
@@ -57,17 +57,12 @@ class MetricsFile:
             self.out.write_bytes(METRICS, "".join(json.dumps(r) + "\n" for r in self.records).encode())
 
 
-class SigtermFlag:
-    """SIGTERM (a preemption notice) only raises a flag; the loop saves and stops at the next step."""
+class SigtermFlag(sigterm.SigtermFlag):
+    """harvest.runtime.sigterm's flag (the loop saves and stops at the next step), and the tests' hold."""
 
     def __enter__(self):
-        self.raised = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
         self._hold_at = int(os.environ.get(HOLD_AT, -1))
-        return self
-
-    def _handle(self, signum, frame):
-        self.raised = True
+        return super().__enter__()
 
     def hold(self, step: int) -> None:
         """At the step HARVEST_TRAIN_HOLD_AT_STEP names, wait for SIGTERM (tests)."""
@@ -75,6 +70,3 @@ class SigtermFlag:
             print(f"holding at step {step} until SIGTERM ({HOLD_AT})", flush=True)
             while not self.raised:
                 time.sleep(0.02)
-
-    def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self._previous)

@@ -1,0 +1,361 @@
+"""The writer-side holes of issue 27, each met as a user meets it (real processes on local disk, and on moto's
+S3 where a wipe touches object storage): a full --overwrite with fewer streams; a partial --overwrite against a
+writer stopped between its data write and its commit; a killed worker not yet reaped (a zombie); a worker
+stopped past its TTL on the taker's own host; creates on a filesystem without hard links (ENOSPC on a small
+tmpfs, contenders, no rename-if-absent); SIGTERM during extract; a run written in another format version."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import types
+
+import pytest
+from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
+
+import harvest.storage.local as local
+from harvest.errors import UserError
+from harvest.storage import Storage
+from harvest.store.lease import Leases
+
+TTL = 4
+SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
+            "--shard-size", "160KB")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """3 streams of a 240-record dataset, the same records in 2 streams, and a reference extraction of the 3."""
+    root = tmp_path_factory.mktemp("holes")
+    checkpoint, env, streams = text_streams(root, 3, n=240)
+    two = root / "streams2"
+    made = run_harvest("streams", "create", "--data", str(root / "data.jsonl"), "--num-streams", "2", "--out",
+                       str(two), env=env)
+    assert made.returncode == 0, made.stderr
+
+    def args(out: str, *extra: str, data=streams) -> list[str]:
+        return ["extract", "--model", str(checkpoint), "--data", str(data), "--out", out, *SETTINGS, *extra]
+
+    reference = str(root / "reference")
+    done = run_harvest(*args(reference), env=env)
+    assert done.returncode == 0, done.stderr
+    return types.SimpleNamespace(root=root, cache=root / "cache", args=args, two=two, reference=reference,
+                                 committed=committed_of(Storage(reference))[0])
+
+
+def start(setup, out: str, *extra: str, log: str, env: dict | None = None, prefix: tuple[str, ...] = ()
+          ) -> subprocess.Popen:
+    with open(setup.root / log, "wb") as f:
+        return subprocess.Popen([*prefix, *harvest_cmd(*setup.args(out, *extra))],
+                                env=env or harvest_env(setup.cache), stdout=subprocess.DEVNULL, stderr=f,
+                                start_new_session=True)
+
+
+def sidecars(url: str, stream: int) -> list[str]:
+    return sorted(n for n in Storage(url).listdir(f"stream_{stream:05d}") if n.startswith("shard_") and n.endswith(".json"))
+
+
+def wait_until(predicate, proc: subprocess.Popen, log, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"harvest exited ({proc.returncode}): {log.read_text()}"
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def error_line(text: str) -> str:
+    lines = [ln for ln in text.splitlines() if ln.startswith("harvest: error:")]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+def assert_verified(url: str, env) -> None:
+    checked = run_harvest("verify", url, env=env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# --- 1: a full --overwrite leaves exactly the streams the new run.json names ---------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_a_full_overwrite_with_fewer_streams_leaves_only_the_new_runs_streams(setup, kind, request):
+    out = str(setup.root / "fewer") if kind == "local" else request.getfixturevalue("s3_url")
+    env = harvest_env(setup.cache)  # after the server's fixture: it sets the endpoint's environment
+    if kind == "local":
+        shutil.copytree(setup.reference, out)
+    else:
+        assert run_harvest(*setup.args(out), env=env).returncode == 0
+    done = run_harvest(*setup.args(out, "--overwrite", data=setup.two), env=env)
+    assert done.returncode == 0, done.stderr
+    st = Storage(out)
+    assert sorted(n for n in st.listdir() if n.startswith("stream_")) == ["stream_00000", "stream_00001"]
+    assert json.loads(st.read_bytes("run.json"))["data"]["num_streams"] == 2
+    assert_verified(out, env)
+
+
+# --- 2: a partial --overwrite never deletes what a stalled writer may still commit -----------------------------
+
+
+@pytest.mark.slow
+def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
+    """A stops (SIGSTOP, the test hook) with shard 3's data written and its sidecar not; B, as on another VM
+    (a pid namespace of its own), overwrites stream 0 with the same settings after A's TTL and holds its
+    own commit of shard 3; A wakes and commits shard 3 (its data is still there), then finds its lease gone;
+    B's commit of shard 3 loses; a plain rerun finishes, and the run is the reference, verified."""
+    out = str(setup.root / "partial")
+    shutil.copytree(setup.reference, out)
+    env = harvest_env(setup.cache)
+    a = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "a", "--lease-ttl", str(TTL), log="p-a.log",
+              env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3"})
+    b = None
+    try:
+        wait_until(lambda: state(a.pid) == "T", a, setup.root / "p-a.log")
+        a_data = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000003-")]
+        assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
+        b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
+                  log="p-b.log", prefix=another_vm(),
+                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:20"})
+        # B wiped stream 0 and committed shards 0-2 anew (under its own attempt), and holds shard 3's commit.
+        a_attempt = a_data[0][len("shard_000003-"):-len(".safetensors")]
+
+        def b_committed_three() -> bool:
+            names = sidecars(out, 0)
+            files = [json.loads(Storage(out).read_bytes(f"stream_00000/{n}"))["file"] for n in names]
+            return len(names) == 3 and not any(a_attempt in f for f in files)
+
+        wait_until(b_committed_three, b, setup.root / "p-b.log")
+        os.killpg(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=60) == 3, (setup.root / "p-a.log").read_text()
+        assert b.wait(timeout=120) in (0, 3), (setup.root / "p-b.log").read_text()
+    finally:
+        kill(a)
+        if b is not None:
+            kill(b)
+    rerun = run_harvest(*setup.args(out), env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    ours, leftovers = committed_of(Storage(out))
+    assert ours == setup.committed and not leftovers
+    assert_verified(out, env)
+
+
+# --- 3: a zombie counts as dead ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_killed_worker_not_yet_reaped_counts_as_dead(setup):
+    """SIGKILL, and its parent (this test) does not reap it: a zombie. A rerun on this host takes its
+    streams back at once (not after --lease-ttl 600) and finishes with the reference bytes."""
+    out = str(setup.root / "zombie")
+    env = harvest_env(setup.cache)
+    a = start(setup, out, "--lease-ttl", "600", log="z-a.log")
+    try:
+        wait_until(lambda: len(sidecars(out, 0)) >= 1, a, setup.root / "z-a.log")
+        os.kill(a.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while state(a.pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        began = time.monotonic()
+        rerun = run_harvest(*setup.args(out, "--lease-ttl", "600"), env=env)
+        assert rerun.returncode == 0, rerun.stderr
+        assert time.monotonic() - began < 300 and state(a.pid) == "Z"
+    finally:
+        a.wait()
+    assert committed_of(Storage(out))[0] == setup.committed
+    assert_verified(out, env)
+
+
+# --- 4: staleness by TTL alone, wherever the taker runs --------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["this host", "another hostname"])
+def test_a_worker_stopped_past_its_ttl_is_taken_over_from_its_own_host(setup, where):
+    """A stops (SIGSTOP) in this very pid namespace; B runs on the same machine, under the same hostname or
+    another (unshare -u): either way it waits out A's TTL, takes the streams over and finishes; A, woken,
+    exits 3 having committed nothing more."""
+    out = str(setup.root / f"stopped-{where.replace(' ', '-')}")
+    env = harvest_env(setup.cache)
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), log=f"s-a-{where}.log")
+    try:
+        wait_until(lambda: len(sidecars(out, 0)) >= 1, a, setup.root / f"s-a-{where}.log")
+        os.killpg(a.pid, signal.SIGSTOP)
+        prefix = ["unshare", "-u", "sh", "-c", 'hostname elsewhere && exec "$@"', "sh"] if where != "this host" else []
+        began = time.monotonic()
+        b = subprocess.run([*prefix, *harvest_cmd(*setup.args(out, "--worker-id", "b"))], env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert b.returncode == 0, b.stderr
+        assert "left its lease unchanged" in b.stderr and time.monotonic() - began > TTL, b.stderr
+        os.killpg(a.pid, signal.SIGCONT)
+        assert a.wait(timeout=60) == 3, (setup.root / f"s-a-{where}.log").read_text()
+    finally:
+        kill(a)
+    assert committed_of(Storage(out))[0] == setup.committed
+    assert_verified(out, env)
+
+
+# --- 5: atomic create-if-absent without hard links -------------------------------------------------------------
+
+
+@pytest.fixture
+def no_hard_links(monkeypatch):
+    """A filesystem without hard links, as some FUSE/SMB mounts are: link(2) fails with EPERM."""
+    def refuse(src, dst, *args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted", src)
+    monkeypatch.setattr(os, "link", refuse)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_a_create_near_a_full_disk_is_whole_or_absent(no_hard_links, small_tmpfs):
+    """Room for one copy of a sidecar (100 KB of a 256 KB tmpfs left after 100 KB of filler): it is created
+    whole (a temp file renamed if absent, never a second copy written in place). No room at all: the create
+    fails and leaves neither the name nor a temp file, for a sidecar, lease.json and run.json alike."""
+    st = Storage(str(small_tmpfs))
+    st.write_bytes("filler", b"x" * 100_000)
+    big = b"{" + b" " * 100_000 + b"}"
+    assert st.create_exclusive("stream_00000/shard_000000.json", big)
+    assert st.read_bytes("stream_00000/shard_000000.json") == big
+    st.write_bytes("filler2", b"x" * 45_000)
+    for rel in ("stream_00000/shard_000001.json", "stream_00000/lease.json", "run.json"):
+        with pytest.raises(UserError):
+            st.create_exclusive(rel, big)
+        assert not st.exists(rel)
+    assert os.listdir(small_tmpfs / "stream_00000") == ["shard_000000.json"]  # no temp file either
+    st.delete_many(["filler", "filler2"])
+    assert st.create_exclusive("stream_00000/shard_000001.json", big)
+    assert st.read_bytes("stream_00000/shard_000001.json") == big
+
+
+@pytest.mark.parametrize("rename_if_absent", [True, False], ids=["renameat2", "directory-lock"])
+def test_contenders_without_hard_links_one_wins_and_no_reader_sees_a_partial_file(no_hard_links, rename_if_absent,
+                                                                                 tmp_path, monkeypatch):
+    if not rename_if_absent:
+        monkeypatch.setattr(local, "_renameat2", None)  # a C library or filesystem without RENAME_NOREPLACE
+    st = Storage(str(tmp_path / "out"))
+    payloads = {name: name.encode() * 400_000 for name in ("a", "b", "c")}
+    for round_ in range(5):
+        rel = f"stream_00000/shard_{round_:06d}.json"
+        won: dict[str, bool] = {}
+        seen: list[int] = []
+        stop = threading.Event()
+
+        def read_while() -> None:
+            path = tmp_path / "out" / rel
+            while not stop.is_set():
+                try:
+                    seen.append(len(path.read_bytes()))
+                except FileNotFoundError:
+                    pass
+
+        reader = threading.Thread(target=read_while)
+        reader.start()
+        gate = threading.Barrier(len(payloads))
+
+        def contend(name: str) -> None:
+            gate.wait()
+            won[name] = st.create_exclusive(rel, payloads[name])
+
+        threads = [threading.Thread(target=contend, args=(name,)) for name in payloads]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stop.set()
+        reader.join()
+        winners = [name for name, ok in won.items() if ok]
+        assert len(winners) == 1, won
+        assert st.read_bytes(rel) == payloads[winners[0]]
+        assert set(seen) <= {400_000}, "a reader saw a partial file"
+    assert sorted(os.listdir(tmp_path / "out" / "stream_00000")) == [f"shard_{k:06d}.json" for k in range(5)]
+
+
+def test_leases_without_hard_links(no_hard_links, tmp_path):
+    st = Storage(str(tmp_path / "out"))
+    a = Leases(st, "a", ttl_s=60)
+    a.acquire([0, 1])
+    a.release_all()
+    b = Leases(st, "b", ttl_s=60)
+    b.acquire([0, 1])
+    assert b.held == {0, 1}
+    b.release_all()
+
+
+# --- 7: SIGTERM in extract -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_commits_what_is_closed_releases_the_leases_and_exits_75(setup):
+    """A preemption notice mid-run: within seconds the worker stops taking batches, commits the shard whose
+    commit is in flight (held 5 s here), releases its leases and exits 75 with one line; the rerun takes the
+    streams at once (not after --lease-ttl 600) and finishes with the reference bytes."""
+    out = str(setup.root / "sigterm")
+    env = harvest_env(setup.cache)
+    a = start(setup, out, "--lease-ttl", "600", log="t-a.log", env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:2:5"})
+    try:
+        wait_until(lambda: len(sidecars(out, 0)) == 2, a, setup.root / "t-a.log")
+        time.sleep(1.0)  # shard 2's commit is held now
+        signalled = time.monotonic()
+        os.kill(a.pid, signal.SIGTERM)
+        code = a.wait(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        kill(a)
+    log = (setup.root / "t-a.log").read_text()
+    assert code == 75 and took < 20, (code, took, log)
+    assert "stopped on SIGTERM" in error_line(log)
+    assert "shard_000002.json" in sidecars(out, 0)  # the commit in flight was completed, not cut
+    st = Storage(out)
+    assert all(json.loads(st.read_bytes(f"stream_{s:05d}/lease.json"))["released"] for s in range(3))
+    began = time.monotonic()
+    rerun = run_harvest(*setup.args(out, "--lease-ttl", "600"), env=env)
+    assert rerun.returncode == 0 and "left its lease unchanged" not in rerun.stderr, rerun.stderr
+    assert time.monotonic() - began < 300
+    assert committed_of(st)[0] == setup.committed
+    assert_verified(out, env)
+
+
+# --- suspicion: the format version is agreed -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_written_in_another_format_version_is_not_appended_to(setup):
+    out = setup.root / "newer-format"
+    shutil.copytree(setup.reference, out)
+    for sidecar in out.glob("stream_00002/shard_*.json"):  # the run is unfinished: a rerun would append
+        sidecar.unlink()
+    info = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**info, "format_version": info["format_version"] + 1}))
+    before = sorted(p.name for p in (out / "stream_00002").iterdir())
+    refused = run_harvest(*setup.args(str(out)), env=harvest_env(setup.cache))
+    assert refused.returncode == 2, refused.stderr
+    assert "format_version" in error_line(refused.stderr)
+    assert sorted(p.name for p in (out / "stream_00002").iterdir()) == before
