@@ -134,7 +134,7 @@ def wipe(storage: Storage, stream: int, guard: Callable[[int], None], *, keep: s
     `whole`: the stream leaves the run, so its whole directory goes."""
     directory = fmt.stream_dir(stream)
     names = storage.listdir(directory)
-    sidecars = [name for name in names if _SIDECAR.match(name)]
+    sidecars = [name for name in names if fmt.sidecar_shard(name) is not None]
     named = set()
     for name in sidecars if storage.is_local else []:
         try:
