@@ -17,7 +17,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.listing import covered_streams, read_run_info, read_sidecars
 from harvest.store.records import RunInfo, Sidecar
 
@@ -66,11 +66,11 @@ class Snapshot:
     def slim(self, names: list[str]) -> Snapshot:
         """What token batches of tensors `names` need, and no more (it is what a data-loader worker is
         handed): the sidecars without stats or skipped entries, with the checksums of those tensors only."""
-        keep = {"tokens", *names}
+        keep = {"tokens", *names, *map(quant.scale_name, names)}
 
         def slimmed(sc: Sidecar) -> Sidecar:
             sums = None if sc.tensor_sha256 is None else {k: v for k, v in sc.tensor_sha256.items() if k in keep}
-            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums)
+            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums, first_stats=None)
 
         return dataclasses.replace(self, shards=tuple(map(slimmed, self.shards)))
 
@@ -147,11 +147,13 @@ def shard_path(sidecar: Sidecar) -> str:
 
 
 def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
-    """All tensors of one committed shard (read whole and decoded)."""
+    """All tensors of one committed shard (read whole and decoded; 8-bit codes as float32 values)."""
     rel = shard_path(sidecar)
     try:
-        return fmt.decode_shard(storage.read_bytes(rel))
-    except ValueError as e:
+        tensors = fmt.decode_shard(storage.read_bytes(rel))
+        coded = [n[:-len(quant.SCALE_SUFFIX)] for n in tensors if n.endswith(quant.SCALE_SUFFIX)]
+        return quant.dequantize_named(tensors, coded) if coded else tensors
+    except (ValueError, KeyError) as e:
         raise UserError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None
 
 
