@@ -244,6 +244,12 @@ class RunningStats:
     def var(self) -> np.ndarray:
         return self.m2 / max(self.count - 1, 1)
 
+    def share_of(self, whole: RunningStats) -> float:
+        """The share of `whole`'s variance (summed over dimensions) that these rows, a subset of its rows,
+        hold: their squared distance from its mean over its total."""
+        total = float(np.sum(whole.m2))
+        return float(np.sum(self.m2 + self.count * np.square(self.mean - whole.mean))) / total if total else 0.0
+
     def to_json(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean.tolist(), "m2": self.m2.tolist()}
 

@@ -70,3 +70,20 @@ def dequantize_named(tensors: dict[str, np.ndarray], names, out_dtype=np.float32
     for name in names:
         out[name] = dequantize(tensors[name], tensors[scale_name(name)], out_dtype)
     return out
+
+
+def scale_problem(codes: np.ndarray, scale: np.ndarray | None, dtype: str) -> str | None:
+    """What is wrong with a stored tensor's scales (None: nothing): there must be one finite float32 scale >= 0
+    per row, and each row with a scale above 0 must reach the largest code (its absmax), a row of scale 0 be 0."""
+    if scale is None:
+        return "is missing"
+    if scale.dtype != np.float32 or scale.shape != (len(codes),):
+        return f"is {scale.dtype}{list(scale.shape)}, its codes need float32[{len(codes)}]"
+    if not np.all(np.isfinite(scale) & (scale >= 0)):
+        return f"holds {int(np.sum(~(np.isfinite(scale) & (scale >= 0))))} scales that are negative, inf or nan"
+    peak = np.abs(codes.astype(np.float32)).max(axis=1) if codes.size else np.zeros(len(codes), np.float32)
+    wrong = np.flatnonzero(np.where(scale > 0, peak != QMAX[dtype], peak != 0))
+    if len(wrong):
+        return (f"does not match its codes in {len(wrong)} rows (row {wrong[0]}: scale {scale[wrong[0]]:.6g}, "
+                f"largest code {peak[wrong[0]]:g}, want {QMAX[dtype]:g})")
+    return None

@@ -122,12 +122,23 @@ class Snapshot:
         """Every stream the run covers (or of `streams`) has its final shard: nothing more will be committed."""
         return all(self.done(s) for s in (covered_streams(self.info) if streams is None else streams))
 
+    def first_token_stats(self, name: str) -> fmt.RunningStats | None:
+        """Stats of each committed sample's first token alone (the attention sinks), merged from the sidecars;
+        None when a shard's sidecar lacks them (written before harvest recorded them)."""
+        if any(sc.first_stats is None and sc.tokens for sc in self.shards):
+            return None
+        return self._merged(name, lambda sc: sc.first_stats or {})
+
     def stats(self, name: str) -> fmt.RunningStats:
         """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
+        return self._merged(name, lambda sc: sc.stats)
+
+    def _merged(self, name: str, field) -> fmt.RunningStats:
+        """The sidecars' stats `field(sidecar)[name]`, merged."""
         width = int(self.info.tensors[name])
         parts = []
         for sc in self.shards:
-            entry = sc.stats.get(name)
+            entry = field(sc).get(name)
             if entry is None:
                 if sc.tokens == 0:
                     continue
