@@ -59,7 +59,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-tokens", type=int, default=1024, help="tokens per SAE step (default 1024)")
     p.add_argument("--steps", default="200,100", help="SAE steps per expansion (default 200,100)")
     p.add_argument("--eval-tokens", type=int, default=20_000, help="held-out tokens for FVU (default 20,000)")
+    p.add_argument("--eval-texts", type=int, default=120, help="held-out texts extracted for FVU (default 120)")
     p.add_argument("--ce-texts", type=int, default=16, help="held-out texts for CE loss recovered (default 16)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a float32 training run already in --work (its committed shards; an extraction "
+                        "stopped early counts what it committed)")
     p.add_argument("--ce-seq-len", type=int, default=256, help="tokens per CE text (default 256)")
     return p.parse_args()
 
@@ -126,7 +130,7 @@ def write_data(work: Path, model: Path, args) -> tuple[Path, Path, Path, int]:
         if total < args.tokens:
             train.append(text)
             total += min(len(tokenizer(text)["input_ids"]), args.max_seq_len)
-        elif len(held) >= 120:
+        elif len(held) >= args.eval_texts:
             break
     paths = (work / "data/train.jsonl", work / "data/eval.jsonl", work / "data/ce.jsonl")
     paths[0].parent.mkdir(parents=True, exist_ok=True)
@@ -192,11 +196,13 @@ def main() -> None:
     common = ["--model", str(model), "--points", f"resid_post:{args.layers}", "--max-seq-len", str(args.max_seq_len),
               "--batch-size", "8", "--shard-size", "32MB", "--overwrite"]
     start = time.monotonic()
-    harvest("extract", "--data", str(train), "--out", str(runs / "train_float32"), "--dtype", "float32", *common)
+    if not (args.reuse and (runs / "train_float32/run.json").exists()):
+        harvest("extract", "--data", str(train), "--out", str(runs / "train_float32"), "--dtype", "float32", *common)
     extract_s = time.monotonic() - start
     harvest("extract", "--data", str(held), "--out", str(runs / "eval_float32"), "--dtype", "float32", *common)
     tokens = open_run(str(runs / "train_float32")).num_tokens
-    print(f"extracted {tokens:,} tokens in {extract_s:.0f} s ({time.monotonic() - t0:.0f} s so far)", flush=True)
+    print(f"{tokens:,} training tokens, extracted in {extract_s:.0f} s; held-out run done "
+          f"({time.monotonic() - t0:.0f} s so far)", flush=True)
 
     storage_rows = []
     for dtype in FORMATS:
@@ -238,7 +244,7 @@ def main() -> None:
             print(f"  {sae.name}: {time.monotonic() - t0:.0f} s so far", flush=True)
 
     about = (f"SmolLM2-135M-Instruct resid_post, {tokens:,} training tokens of pydoc topics + stdlib docstrings "
-             f"(extracted once in float32 in {extract_s:.0f} s), {os.cpu_count()} CPUs")
+             f"(extracted once in float32), {os.cpu_count()} CPUs")
     show("Storage: " + about, ["format", "bytes/token (2 layers)", "of float32", "write GB/s (float32 in)"],
          storage_rows, "write: quantize or cast, encode, sha256, write and commit, one Committer thread")
     show("Attention sinks: each sample's first token", ["tensor", "tokens", "variance they hold"], sinks,

@@ -107,7 +107,8 @@ class ShardWriter:
             self.long[piece.long] += 1
 
     def _close(self, *, next: fmt.Position, row_start: fmt.Position, final: bool, records: int) -> ClosedShard:
-        tensors = {name: pieces or [np.zeros((0, self.widths[name]), self.dtype)] for name, pieces in self.pieces.items()}
+        tensors = {name: pieces or [np.zeros((0, self.widths[name]), self.dtype)]
+                   for name, pieces in self.pieces.items()}
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,

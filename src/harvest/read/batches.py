@@ -123,9 +123,10 @@ class TokenBatches:
     how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
     `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
     `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
-    `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default); `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the
-    run's own stats (merged from the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see
-    harvest.read.pieces. `state_dict()` after any batch and
+    `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default);
+    `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the run's own stats (merged from
+    the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()`
+    after any batch and
     `load_state_dict()` on a fresh reader (same run, same order settings) continue with exactly the batches
     that were still to come.
     """

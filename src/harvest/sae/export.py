@@ -64,8 +64,8 @@ def export(url: str, out: str, fmt: str, step: int | None = None) -> dict[str, A
         write = _sparsify if fmt == "sparsify" else _saelens
         write(target, name, spec, p)
         # What the loaders' configs have no field for: the tokens the SAE never saw, to leave out when using it.
-        (target / "harvest.json").write_text(json.dumps({"sae_run": url, "step": step, "tensor": name, "skip_first": int(
-            info["config"].get("skip_first", 0))}, indent=1))
+        kept = {"sae_run": url, "step": step, "tensor": name, "skip_first": int(info["config"].get("skip_first", 0))}
+        (target / "harvest.json").write_text(json.dumps(kept, indent=1))
         written.append(str(target))
     return {"step": step, "out": out, "dirs": written}
 
