@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _texts()))
     model = demo_checkpoint(root / "model")
-    out = {}
+    out = {"model": model, "data": data}
     for dtype in ("float32", *CODES):
         out[dtype] = root / dtype
         run_extract(ExtractConfig(model=str(model), data=str(data), out=str(out[dtype]), dtype=dtype,
@@ -217,3 +217,36 @@ def test_inspect_and_status_show_the_first_tokens_share(runs):
     text = console.export_text()
     cell = f"{len(firsts) / len(x):.1%} hold {share:.0%} of variance"
     assert text.count(cell) == 2, text  # in inspect's tensors table and in status's caption
+
+
+def test_sae_train_records_skip_first_and_eval_and_export_follow_it(runs, tmp_path):
+    from harvest.sae.config import SaeConfig
+    from harvest.sae.evaluate import evaluate
+    from harvest.sae.export import export, load_sae_run, spec_of
+    from harvest.sae.job import run_sae_train
+    from harvest.sae.splice import ce_loss_recovered
+
+    out = str(tmp_path / "sae")
+    run_sae_train(SaeConfig(run=[str(runs["int8"])], tensors=["resid_post.1"], out=out, expansion=2, k=4,
+                            batch_tokens=64, tokens=64 * 3, warmup=1, skip_first=1, checkpoint_every=3).validate())
+    info, _, params = load_sae_run(out)
+    assert info["config"]["skip_first"] == 1
+    truth = harvest.open(str(runs["float32"]))
+    served = {skip: len(next(iter(truth.token_batches(10**6, ["resid_post.1"], skip_first=skip)))["tokens"])
+              for skip in (0, 1)}
+    assert served[1] < served[0]
+    result = evaluate(out, str(runs["float32"]), tokens=10**6)["tensors"]["resid_post.1"]
+    assert (result["skip_first"], result["tokens"]) == (1, served[1])
+    assert evaluate(out, str(runs["float32"]), tokens=10**6, skip_first=0)["tensors"]["resid_post.1"]["tokens"] \
+        == served[0]
+    dirs = export(out, str(tmp_path / "export"), "saelens")["dirs"]
+    assert json.loads((tmp_path / "export" / "resid_post.1" / "harvest.json").read_text())["skip_first"] == 1
+    assert len(dirs) == 1
+    # The CE splice leaves each text's first tokens clean: with all of them left out, nothing is replaced.
+    spec_info = info["saes"]["resid_post.1"]
+    ce = ce_loss_recovered(str(runs["model"]), str(runs["data"]), "resid_post.1", params["resid_post.1"],
+                           spec_of(spec_info), tokens=500, max_seq_len=64, skip_first=64)
+    assert ce["ce_sae"] == ce["ce_clean"] == ce["ce_zero"]
+    spliced = ce_loss_recovered(str(runs["model"]), str(runs["data"]), "resid_post.1", params["resid_post.1"],
+                                spec_of(spec_info), tokens=500, max_seq_len=64, skip_first=1)
+    assert spliced["ce_sae"] != spliced["ce_clean"] and spliced["ce_zero"] != spliced["ce_clean"]
