@@ -62,8 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-texts", type=int, default=120, help="held-out texts extracted for FVU (default 120)")
     p.add_argument("--ce-texts", type=int, default=16, help="held-out texts for CE loss recovered (default 16)")
     p.add_argument("--reuse", action="store_true",
-                   help="keep a float32 training run already in --work (its committed shards; an extraction "
-                        "stopped early counts what it committed)")
+                   help="keep the float32 runs already in --work (their committed shards; an extraction stopped "
+                        "early counts what it committed)")
+    p.add_argument("--plan", default=None,
+                   help="SAEs to train as EXPANSION:SKIP_FIRST,... (default: the first size with first tokens left "
+                        "out, then kept, then the other sizes left out)")
     p.add_argument("--ce-seq-len", type=int, default=256, help="tokens per CE text (default 256)")
     return p.parse_args()
 
@@ -196,12 +199,12 @@ def main() -> None:
     common = ["--model", str(model), "--points", f"resid_post:{args.layers}", "--max-seq-len", str(args.max_seq_len),
               "--batch-size", "8", "--shard-size", "32MB", "--overwrite"]
     start = time.monotonic()
-    if not (args.reuse and (runs / "train_float32/run.json").exists()):
-        harvest("extract", "--data", str(train), "--out", str(runs / "train_float32"), "--dtype", "float32", *common)
+    for data, name in ((train, "train_float32"), (held, "eval_float32")):
+        if not (args.reuse and (runs / name / "run.json").exists()):
+            harvest("extract", "--data", str(data), "--out", str(runs / name), "--dtype", "float32", *common)
     extract_s = time.monotonic() - start
-    harvest("extract", "--data", str(held), "--out", str(runs / "eval_float32"), "--dtype", "float32", *common)
     tokens = open_run(str(runs / "train_float32")).num_tokens
-    print(f"{tokens:,} training tokens, extracted in {extract_s:.0f} s; held-out run done "
+    print(f"{tokens:,} training tokens, extracted in {extract_s:.0f} s (0: reused); held-out run done "
           f"({time.monotonic() - t0:.0f} s so far)", flush=True)
 
     storage_rows = []
@@ -223,11 +226,12 @@ def main() -> None:
     print(storage_rows, sinks, flush=True)
 
     results = []
-    plan = [(sizes[0], 1), (sizes[0], 0), *((e, 1) for e in sizes[1:])]  # the first size, sinks kept, second
+    plan = ([(int(e), int(k)) for e, k in (item.split(":") for item in args.plan.split(","))] if args.plan
+            else [(sizes[0], 1), (sizes[0], 0), *((e, 1) for e in sizes[1:])])
     for expansion, skip in plan:
         for dtype in FORMATS:
             sae = work / "saes" / f"x{expansion}_skip{skip}_{dtype}"
-            n_steps = steps[expansion]
+            n_steps = steps.get(expansion, steps[sizes[0]])
             harvest("sae", "train", "--run", str(runs / f"train_{dtype}"), "--tensors", tensors, "--out", str(sae),
                     "--expansion", str(expansion), "--k", str(args.k), "--batch-tokens", str(args.batch_tokens),
                     "--tokens", str(n_steps * args.batch_tokens), "--warmup", str(n_steps // 10),
