@@ -122,7 +122,8 @@ def _sae(args: argparse.Namespace) -> int:
         from harvest.sae.evaluate import evaluate
 
         print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step,
-                                  model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len),
+                                  model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len,
+                                  skip_first=args.sae_skip_first),
                          indent=1))
         return 0
     if args.sae_url:

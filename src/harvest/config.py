@@ -101,7 +101,9 @@ class ExtractConfig:
     batch_size: int = setting("packed rows per data slot per step", 8, minimum=1)
     long: str = setting("samples longer than --max-seq-len, always counted", "truncate",
                         choices=("truncate", "skip", "chunk"))
-    dtype: str = setting("stored dtype", "bfloat16", choices=("bfloat16", "float16", "float32"))
+    dtype: str = setting("stored dtype; int8 and float8_e4m3fn store 8-bit codes with a float32 scale per token "
+                         "(absmax over the hidden dimension), read back as values", "bfloat16",
+                         choices=("bfloat16", "float16", "float32", "int8", "float8_e4m3fn"))
     compute_dtype: str | None = setting("compute dtype; unset: float32 on CPU, bfloat16 on accelerators", None,
                                         choices=("float32", "bfloat16"))
     shard_size: str = setting("shard size, e.g. 64KB, 512MB, 1GB", "1GB")

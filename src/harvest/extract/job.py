@@ -43,7 +43,7 @@ from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import describe, make_mesh
 from harvest.runtime.sigterm import SigtermFlag
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
 from harvest.storage import Storage
 from harvest.store.lease import LEASE, Leases
@@ -85,8 +85,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # The forward compiles from here on (it needs only shapes), beside the tokenizer's load, the checks below, the
     # weights' load and the resume reads. Compiling writes nothing to the run; a command refused below prints its
     # line at once and exits when the compile ends (it cannot be interrupted), leaving the program in the cache.
-    decoding = dict(compute_dtype=compute_dtype, out_dtype=cfg.dtype, replicas=replicas, moment_slots=moments.SLOTS,
-                    attention=cfg.attention)
+    # 8-bit codes are made on the host from float32 values, whose moments the sidecars' stats are.
+    decoding = dict(compute_dtype=compute_dtype, out_dtype="float32" if quant.is_quantized(cfg.dtype) else cfg.dtype,
+                    replicas=replicas, moment_slots=moments.SLOTS, attention=cfg.attention)
     compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
     tokenizer = tokenizer_loading.result()
@@ -190,8 +191,9 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
     widths = info.tensors
-    dtype = np.dtype(fmt.DTYPES[cfg.dtype])
-    writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s]) for s in mine if not resume[s].done}
+    dtype = np.dtype(fmt.STORED_DTYPES[cfg.dtype])
+    code = cfg.dtype if quant.is_quantized(cfg.dtype) else None
+    writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s], code) for s in mine if not resume[s].done}
     totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,

@@ -13,7 +13,7 @@ from harvest.config import ExtractConfig, stable_hash
 from harvest.data import prompts
 from harvest.errors import UserError
 from harvest.model import CapturePlan, ModelConfig
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.records import RunInfo
 
@@ -48,6 +48,7 @@ def build_run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkp
         "tensors": {fmt.tensor_name(p, layer): (m.intermediate_size if p == "mlp_hidden" else m.hidden_size)
                     for p, layer in plan.keys()},
         "dtype": cfg.dtype,
+        "quantization": quant.record(cfg.dtype),
         "compute_dtype": compute_dtype,
         "max_seq_len": cfg.max_seq_len,
         "long": cfg.long,

@@ -15,20 +15,27 @@ from typing import Any
 import numpy as np
 
 from harvest.data.batching import Piece, Row, Skip
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.commit import ClosedShard, ResumePoint
 
 
 class ShardWriter:
-    """Accumulates one stream's pieces (host numpy, storage dtype) and closes shards by size."""
+    """Accumulates one stream's pieces (host numpy, storage dtype) and closes shards by size.
 
-    def __init__(self, stream: int, widths: dict[str, int], dtype: np.dtype, shard_bytes: int, resume: ResumePoint):
+    With `quantize` (an 8-bit code of harvest.store.quant) the pieces wait as float32 values, every piece's
+    moments come from them (the device's, or the host's here), and a shard is quantized as it closes: its
+    stats are those of the values, not of the codes."""
+
+    def __init__(self, stream: int, widths: dict[str, int], dtype: np.dtype, shard_bytes: int, resume: ResumePoint,
+                 quantize: str | None = None):
         self.stream = stream
         self.widths = widths
-        self.dtype = dtype
+        self.quantize = quantize
+        self.dtype = np.dtype(np.float32) if quantize else dtype
         self.shard_bytes = shard_bytes
-        # Bytes a piece adds: its activations and tokens, plus offsets, sample_ids and variants entries.
-        self.token_bytes = sum(widths.values()) * dtype.itemsize + 4
+        # Bytes a piece adds: its activations (and scales) and tokens, plus offsets, sample_ids and variants entries.
+        self.token_bytes = (sum(widths.values()) + 4 * len(widths) if quantize
+                            else sum(widths.values()) * dtype.itemsize) + 4
         self.sample_bytes = 8 + 8 + 4
         self.shard = resume.shard
         self.committed = resume.next
@@ -45,6 +52,7 @@ class ShardWriter:
         self.sample_ids: list[int] = []
         self.variants: list[int] = []
         self.moments: dict[str, tuple[list, list]] = {name: ([], []) for name in self.widths}  # per piece, or None
+        self.firsts: dict[str, list[np.ndarray]] = {name: [] for name in self.widths}  # each piece's first token
         self.skipped: list[dict[str, Any]] = []
         self.long = {"truncated": 0, "chunked": 0, "skipped": 0}
         self.bytes = 0
@@ -81,9 +89,14 @@ class ShardWriter:
 
     def _add_piece(self, piece: Piece, values: dict[str, np.ndarray], moments: dict | None) -> None:
         for name, block in values.items():
-            self.pieces[name].append(block if block.dtype == self.dtype else block.astype(self.dtype))
+            block = block if block.dtype == self.dtype else block.astype(self.dtype)
+            self.pieces[name].append(block)
+            self.firsts[name].append(block[:1])
             means, m2s = self.moments[name]
             mean, m2 = moments[name] if moments else (None, None)
+            if mean is None and self.quantize:  # the values' own, before they become codes
+                own = fmt.RunningStats.of(block)
+                mean, m2 = own.mean, own.m2
             means.append(mean)
             m2s.append(m2)
         self.token_blocks.append(piece.tokens)
@@ -94,10 +107,12 @@ class ShardWriter:
             self.long[piece.long] += 1
 
     def _close(self, *, next: fmt.Position, row_start: fmt.Position, final: bool, records: int) -> ClosedShard:
+        tensors = {name: pieces or [np.zeros((0, self.widths[name]), self.dtype)]
+                   for name, pieces in self.pieces.items()}
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,
-            tensors={name: pieces or [np.zeros((0, self.widths[name]), self.dtype)] for name, pieces in self.pieces.items()},
+            tensors=quant.quantize_blocks(tensors, self.quantize) if self.quantize else tensors,
             tokens=np.concatenate(self.token_blocks) if self.token_blocks else np.zeros(0, np.int32),
             lengths=np.asarray(self.lengths, np.int64),
             sample_ids=np.asarray(self.sample_ids, np.int64),
@@ -110,6 +125,9 @@ class ShardWriter:
             final=final,
             records=records,
             moments=self.moments,
+            first_stats={name: fmt.RunningStats.of(np.concatenate(rows) if rows else np.zeros((0, self.widths[name])))
+                         for name, rows in self.firsts.items()},
+            quantization=quant.record(self.quantize) if self.quantize else None,
         )
         self.shard += 1
         self.start = next

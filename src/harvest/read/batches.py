@@ -35,7 +35,7 @@ from harvest.read.errors import StateError
 from harvest.read.gather import Group
 from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot
 
@@ -59,6 +59,7 @@ class Order:
     workers: int
     exclude: tuple[int, ...]  # token ids left out
     streams: tuple[int, ...] | None
+    skip_first: int = 0  # each sample's first tokens left out (attention sinks)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -121,9 +122,11 @@ class TokenBatches:
     consumers; the last batch is short unless `drop_last`. `epoch` is the first epoch's number; `epochs`
     how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
     `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
-    `dtype` casts on the way out; `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the
-    run's own stats (merged from the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see
-    harvest.read.pieces. `state_dict()` after any batch and
+    `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
+    `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default);
+    `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the run's own stats (merged from
+    the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()`
+    after any batch and
     `load_state_dict()` on a fresh reader (same run, same order settings) continue with exactly the batches
     that were still to come.
     """
@@ -135,11 +138,13 @@ class TokenBatches:
                  exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
                  streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
-                 stats: Mapping[str, fmt.RunningStats] | None = None):
+                 stats: Mapping[str, fmt.RunningStats] | None = None, skip_first: int = 0):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
                             (world, "world"), (io_threads, "io_threads")):
             if int(value) <= 0:
                 raise ValueError(f"{what} must be positive, got {value}")
+        if int(skip_first) < 0:
+            raise ValueError(f"skip_first must be 0 or more, got {skip_first}")
         if not 0 <= int(rank) < int(world):
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         if (worker is None) != (workers is None) or (workers is not None and not 0 <= worker < workers):
@@ -157,15 +162,17 @@ class TokenBatches:
         self.epochs, self.drop_last = epochs, drop_last
         self.convert = torch_converter() if as_torch else (lambda a: a)
         self.prefetch, self.io_threads = max(int(prefetch), 0), int(io_threads)
-        stored = np.dtype(fmt.DTYPES.get(view.dtype, np.float32))
-        self.out_dtype = np.dtype(fmt.DTYPES[dtype]) if dtype else (np.dtype(np.float32) if normalize else stored)
+        stored = np.dtype(fmt.STORED_DTYPES.get(view.dtype, np.float32))
+        self._coded = quant.is_quantized(view.dtype)  # 8-bit codes: served as float32 values unless dtype says
+        self.out_dtype = np.dtype(fmt.DTYPES[dtype]) if dtype else (
+            np.dtype(np.float32) if normalize or self._coded else stored)
         self._stored = stored
         self.pieces = PieceReader(storage, view, names, stored, verify=verify, on_corrupt=on_corrupt)
-        row_bytes = 4 + sum(view.tensors[n] * stored.itemsize for n in names)
+        row_bytes = 4 + sum(view.tensors[n] * stored.itemsize + 4 * self._coded for n in names)
         self._settings = dict(seed=int(seed), shuffle=bool(shuffle), buffer=int(shard_buffer),
                               piece_tokens=max(int(piece_bytes) // row_bytes, 1),
                               rank=int(rank), world=int(world),
-                              exclude=tuple(sorted(set(self._excluded(exclude)))),
+                              exclude=tuple(sorted(set(self._excluded(exclude)))), skip_first=int(skip_first),
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
         self._fixed_worker = None if worker is None else (int(worker), int(workers))
         self._affine = {n: self._normalization(n, normalize, stats) for n in names} if normalize else {}
@@ -303,7 +310,7 @@ class TokenBatches:
                 while submitted < min(boundary + self.prefetch, len(todo)):
                     piece = todo[submitted]
                     pending.append(pool.submit(self.pieces.read, piece, sidecars[(piece.stream, piece.shard)],
-                                               order.exclude))
+                                               order.exclude, order.skip_first))
                     submitted += 1
                 group = Group([pending.popleft().result() for _ in plan[g]])
                 perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle)
@@ -331,10 +338,12 @@ class TokenBatches:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
-        """A gathered batch in the stored dtypes' bits -> normalized, cast, converted."""
+        """A gathered batch in the stored dtypes' bits -> dequantized, normalized, cast, converted."""
         cols = {"tokens": raw["tokens"]}
         for n in self.names:
             x = raw[n].view(self._stored)
+            if self._coded:
+                x = quant.dequantize(x, raw[quant.scale_name(n)].view(np.float32))
             if n in self._affine:
                 shift, scale = self._affine[n]
                 x = ((x.astype(np.float32) - shift) * scale).astype(self.out_dtype, copy=False)

@@ -12,6 +12,7 @@ import mmap
 import numpy as np
 
 from harvest.storage import Storage
+from harvest.store import quant
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, TensorSpan, file_sha256, range_sha256, read_layout
 
@@ -59,6 +60,12 @@ def checked_layout(storage: Storage, rel: str, sidecar: Sidecar, widths: dict[st
                              f"the sidecar and run.json say {list(want)}")
         if k != "tokens" and span.dtype != stored:
             raise ValueError(f"tensor {k!r} is {span.dtype}, run.json says {dtype_name}")
+        if k != "tokens" and quant.is_quantized(dtype_name):
+            scale = layout.tensors.get(quant.scale_name(k))
+            if scale is None or scale.shape != (tokens,) or scale.dtype != np.float32:
+                raise ValueError(f"tensor {quant.scale_name(k)!r} is "
+                                 f"{'missing' if scale is None else f'{scale.dtype}{list(scale.shape)}'}, "
+                                 f"its codes need float32[{tokens}]")
     size = storage.size(rel)
     if size != sidecar.bytes:
         raise ValueError(f"the file is {size} bytes, its sidecar says {sidecar.bytes} (cut short or replaced)")

@@ -29,6 +29,7 @@ from harvest.read.gather import Part
 from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, verify_bytes, verify_fetched
 from harvest.read.shuffle import Piece
 from harvest.storage import Storage
+from harvest.store import quant
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, map_file
 from harvest.store.snapshot import Snapshot, shard_path
@@ -45,12 +46,15 @@ class PieceReader:
     def __init__(self, storage: Storage, view: Snapshot, names: list[str], stored: np.dtype, *, verify: str,
                  on_corrupt: str):
         self.storage, self.names, self.stored = storage, names, stored
-        self.keys = ["tokens", *names]
+        scales = [quant.scale_name(n) for n in names] if quant.is_quantized(view.dtype) else []
+        self.keys = ["tokens", *names, *scales]
         self.raw = {"tokens": ((), np.dtype(np.int32)),  # gathered as unsigned ints: the same bits, a fast copy
-                    **{n: ((view.tensors[n],), np.dtype(f"u{stored.itemsize}")) for n in names}}
+                    **{n: ((view.tensors[n],), np.dtype(f"u{stored.itemsize}")) for n in names},
+                    **{n: ((), np.dtype(np.uint32)) for n in scales}}
         self.widths, self.dtype_name, self.url = {n: view.tensors[n] for n in names}, view.dtype, view.url
-        asked = sum(view.tensors[n] for n in names) * stored.itemsize + 4
-        every = sum(view.tensors.values()) * stored.itemsize + 4
+        per_row = 4 if scales else 0
+        asked = sum(view.tensors[n] * stored.itemsize + per_row for n in names) + 4
+        every = sum(w * stored.itemsize + per_row for w in view.tensors.values()) + 4
         self.verify, self.on_corrupt, self._whole_file_pays = verify, on_corrupt, 2 * asked >= every
         self.to_verify: set[tuple[int, int]] = set()  # shards this consumer checks the bytes of (set per epoch)
         self._layouts: dict[str, Future] = {}  # shard -> its checked ShardLayout, once per reader
@@ -60,12 +64,14 @@ class PieceReader:
         self.verified_shards: set[str] = set()
         self.bytes_hashed = 0
 
-    def read(self, piece: Piece, sc: Sidecar, exclude: tuple[int, ...]) -> Part:
+    def read(self, piece: Piece, sc: Sidecar, exclude: tuple[int, ...], skip_first: int = 0) -> Part:
         """A piece's rows (views of mapped or fetched bytes, as unsigned ints of the stored width) and which
-        of them to serve: runs in the reading threads."""
+        of them to serve (not the tokens `exclude` names, nor a sample's first `skip_first`): runs in the
+        reading threads."""
         rel = shard_path(sc)
         try:
             cols = self._ranged(rel, sc, piece)
+            later = self._later(rel, sc, piece, skip_first) if skip_first else None
         except (ValueError, FileNotFoundError) as e:
             if self.on_corrupt == "stop":
                 raise CorruptShardError(f"{self.url}/{rel}: {e}; run `harvest verify {self.url}`, or read "
@@ -76,10 +82,21 @@ class PieceReader:
             return Part({k: np.empty((0, *shape), dtype) for k, (shape, dtype) in self.raw.items()}, None)
         cols = {k: v.view(self.raw[k][1]) for k, v in cols.items()}
         keep = None
-        if exclude:
-            mask = ~np.isin(cols["tokens"], exclude)
+        if exclude or later is not None:
+            mask = ~np.isin(cols["tokens"], exclude) if exclude else later
+            if exclude and later is not None:
+                mask &= later
             keep = None if mask.all() else np.flatnonzero(mask)
         return Part(cols, keep)
+
+    def _later(self, rel: str, sc: Sidecar, piece: Piece, skip_first: int) -> np.ndarray:
+        """Which rows of the piece lie at position `skip_first` or later within their sample (from the shard's
+        offsets, whose header was checked with the rest)."""
+        span = self._layout(rel, sc, whole=False).tensors["offsets"]
+        offsets = read_rows(self.storage, rel, span, 0, span.shape[0])
+        rows = np.arange(piece.lo, piece.hi)
+        starts = offsets[np.searchsorted(offsets, rows, side="right") - 1]
+        return rows - starts >= skip_first
 
     def _ranged(self, rel: str, sc: Sidecar, piece: Piece) -> dict[str, np.ndarray]:
         layout = self._layout(rel, sc, whole=piece.lo == 0 and piece.hi == sc.tokens)

@@ -218,7 +218,8 @@ class Run:
         """Shuffled token rows of `tensors` (default: all) for SAE training, `batch_size` at a time, split over
         ranks and data-loader workers, resumable: the settings and their defaults are TokenBatches'
         (seed, epoch, epochs, rank, world, worker, workers, shuffle, shard_buffer, piece_bytes, prefetch,
-        io_threads, drop_last, exclude, dtype, normalize, verify, on_corrupt, as_torch, streams, snapshot)."""
+        io_threads, drop_last, exclude, skip_first, dtype, normalize, verify, on_corrupt, as_torch, streams,
+        snapshot)."""
         return TokenBatches(self.storage, self.view, batch_size, self._names(tensors), **settings)
 
     def torch_dataset(self, batch_size: int, tensors: Sequence[str] | str | None = None, **kwargs: Any):

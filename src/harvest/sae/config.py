@@ -50,6 +50,9 @@ class SaeConfig(RunSettings):
                              "none", choices=("none", "run-stats"))
     b_dec_init: str = setting("decoder bias at the start: the first batch's mean or geometric median", "mean",
                               choices=("mean", "geometric-median", "zeros"))
+    skip_first: int = setting("leave out each sample's first N tokens (attention sinks, whose norms dwarf the rest) "
+                              "from training, and from `sae eval` (its reconstruction and the CE splice)", 0,
+                              minimum=0)
     holdout_streams: int = setting("streams of the run left out of training, chosen by --seed, for `sae eval`", 0,
                                    minimum=0)
     mesh: str | None = setting("data=..,fsdp=..,model=.. : latents over model, the batch over data x fsdp "
@@ -70,7 +73,7 @@ class SaeConfig(RunSettings):
 
     # Settings a resumed run must keep: they decide which data and which SAEs the checkpoint holds.
     RUN_FIELDS = ("run", "tensors", "architecture", "latents", "expansion", "k", "batch_tokens", "normalize",
-                  "holdout_streams", "mesh", "param_dtype", "seed")
+                  "skip_first", "holdout_streams", "mesh", "param_dtype", "seed")
 
     def __post_init__(self):
         """`run` and `tensors` as lists, also where Python code gives a comma-separated string."""

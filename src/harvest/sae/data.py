@@ -83,19 +83,21 @@ def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
 
 
 def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
-            streams: list[list[int]] | None = None, epochs: int | None = None) -> list[GlobalBatches]:
-    """One reader per run, `part` rows a step each, of its training streams (or `streams`)."""
+            streams: list[list[int]] | None = None, epochs: int | None = None,
+            skip_first: int = 0) -> list[GlobalBatches]:
+    """One reader per run, `part` rows a step each, of its training streams (or `streams`), without each
+    sample's first `skip_first` tokens."""
     return [run.jax_batches(part, tensors, mesh=mesh, data_axes=DATA_AXES, seed=seed, epochs=epochs,
-                            dtype="float32",
+                            dtype="float32", skip_first=skip_first,
                             streams=inputs.train_streams(r) if streams is None else streams[r])
             for r, run in enumerate(inputs.runs)]
 
 
 def held_out(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
-             batches: int) -> dict[str, jax.Array]:
+             batches: int, skip_first: int = 0) -> dict[str, jax.Array]:
     """Up to `batches` batches ({tensor: [n, B, d]}) of the held-out streams, read once: the same rows at
     every evaluation during training. Refuses held-out streams shorter than one batch."""
-    readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1)
+    readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1, skip_first=skip_first)
     rows = []
     for _ in range(batches):
         try:

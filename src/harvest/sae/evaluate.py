@@ -22,12 +22,15 @@ BINS = np.arange(-8, 1)  # log10 of the firing frequency: 1e-8 ... 1 (and "never
 
 def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, batch: int = 1024,
              step: int | None = None, model: str | None = None, data: str | None = None,
-             max_seq_len: int = 256) -> dict[str, Any]:
+             max_seq_len: int = 256, skip_first: int | None = None) -> dict[str, Any]:
     """Per tensor: fvu, l0, dead_fraction (never fired on these tokens), the firing histogram (latents per
-    decade of frequency) and the tokens read; with `model` and `data`, CE loss recovered on those texts."""
+    decade of frequency) and the tokens read; with `model` and `data`, CE loss recovered on those texts.
+    Each sample's first `skip_first` tokens are left out of both (default: as the SAE was trained)."""
     if (model is None) != (data is None):
         raise UserError("harvest sae eval: --model and --data go together (CE loss recovered on those texts)")
     info, step, params = load_sae_run(url, step)
+    if skip_first is None:
+        skip_first = int(info["config"].get("skip_first", 0))
     urls = [run_url] if run_url else str_list(info["config"]["run"])
     results = {}
     for name, p in params.items():
@@ -45,7 +48,7 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
             if name not in run.tensors:
                 raise UserError(f"{run.url} holds no {name}; it holds {', '.join(run.tensors)}")
             reader = run.token_batches(batch, [name], seed=info["config"]["seed"], dtype="float32",
-                                       streams=None if streams is None else streams[r])
+                                       streams=None if streams is None else streams[r], skip_first=skip_first)
             for rows in reader:
                 x = rows[name]
                 latents, out = M.infer(device_params, jnp.asarray(x), spec)
@@ -63,9 +66,9 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
         frequency = counts / seen
         histogram = np.histogram(np.log10(frequency[frequency > 0]), bins=BINS)[0] if counts.any() else np.zeros(8)
         results[name] = {"fvu": sq_err / max(var, 1e-12), "l0": l0 / seen, "dead_fraction": float(np.mean(counts == 0)),
-                         "tokens": seen, "firing_histogram": {f"1e{lo}..1e{lo + 1}": int(n)
+                         "tokens": seen, "skip_first": skip_first, "firing_histogram": {f"1e{lo}..1e{lo + 1}": int(n)
                                                               for lo, n in zip(BINS[:-1], histogram)}}
         if model is not None:
             results[name]["downstream"] = ce_loss_recovered(model, data, name, p, spec, tokens=tokens,
-                                                            max_seq_len=max_seq_len)
+                                                            max_seq_len=max_seq_len, skip_first=skip_first)
     return {"step": step, "tensors": results}

@@ -1,7 +1,8 @@
 """`harvest sae export SAE_RUN --format saelens|sparsify --out DIR [--step N]`: one directory per tensor
 that `sae_lens.SAE.load_from_disk` or sparsify's `SparseCoder.load_from_disk` loads, giving harvest's
 latents and reconstructions on the raw activations (a run-stats input scale is folded into the weights:
-W_enc x s, W_dec / s, b_dec / s leave the pre-activations unchanged and return raw-scale outputs)."""
+W_enc x s, W_dec / s, b_dec / s leave the pre-activations unchanged and return raw-scale outputs). Beside
+them, harvest.json says what those configs cannot: each sample's first tokens left out of training."""
 
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def export(url: str, out: str, fmt: str, step: int | None = None) -> dict[str, A
         target.mkdir(parents=True, exist_ok=True)
         write = _sparsify if fmt == "sparsify" else _saelens
         write(target, name, spec, p)
+        # What the loaders' configs have no field for: the tokens the SAE never saw, to leave out when using it.
+        kept = {"sae_run": url, "step": step, "tensor": name, "skip_first": int(info["config"].get("skip_first", 0))}
+        (target / "harvest.json").write_text(json.dumps(kept, indent=1))
         written.append(str(target))
     return {"step": step, "out": out, "dirs": written}
 

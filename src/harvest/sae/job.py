@@ -56,7 +56,8 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     scales = {t: float(np.sqrt(w / max(inputs.mean_square_norm(t), 1e-12))) if cfg.normalize == "run-stats" else 1.0
               for t, w in inputs.widths.items()}
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
-    eval_rows = D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES) if cfg.eval_every else None
+    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first) if cfg.eval_every
+                 else None)
     info = {"kind": KIND, "harvest_version": version("harvest"), "config": cfg.to_dict(),
             "run_settings": {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
             "saes": {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout}
@@ -76,7 +77,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     state_shape = jax.eval_shape(lambda p: fresh_state(p, optimizers, specs), params_shape)
     checkpoints = Checkpoints(out.url_of(CHECKPOINTS), every=cfg.checkpoint_every, keep=cfg.keep)
     restored = checkpoints.restore_latest(abstract(state_shape, shardings))
-    batches = D.readers(inputs, tensors, part, mesh, cfg.seed)
+    batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first)
     if restored is None:
         state, saved_at = None, None
     else:

@@ -5,7 +5,9 @@ in at its point, against the clean model and against that point zeroed:
 The forward is harvest's own decoder (model.transformer's layer, embedding and head), run as two scans
 over the stacked layers: up to the point, the replacement, then the rest. Residual points only
 (resid_pre.L, resid_post.L): there the stream between layers is the activation. Every token of a text is
-spliced (one text a row, cut at `max_seq_len`); the loss counts every next-token prediction within a text.
+spliced (one text a row, cut at `max_seq_len`) but its first `skip_first` (an SAE trained without the
+attention sinks keeps them clean, in the zero baseline too); the loss counts every next-token prediction
+within a text.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def split_point(tensor: str, cfg: ModelConfig) -> tuple[str, int]:
     return point, int(layer)
 
 
-@partial(jax.jit, static_argnames=("cfg", "split", "mode", "spec"))
+@partial(jax.jit, static_argnames=("cfg", "split", "mode", "spec", "skip_first"))
 def losses(params: dict, tokens: jax.Array, segments: jax.Array, sae: dict, *, cfg: ModelConfig, split: int,
-           mode: str, spec: M.Spec) -> tuple[jax.Array, jax.Array]:
+           mode: str, spec: M.Spec, skip_first: int = 0) -> tuple[jax.Array, jax.Array]:
     """(summed next-token cross-entropy, predictions counted) of a batch [rows, seq]; the residual stream
     after `split` layers is kept (clean), replaced by the SAE's reconstruction (sae) or zeroed (zero)."""
     dtype = params["embed"].dtype
@@ -54,11 +56,13 @@ def losses(params: dict, tokens: jax.Array, segments: jax.Array, sae: dict, *, c
         return jax.lax.scan(step, h, (layers, jnp.arange(lo, hi)))[0] if hi > lo else h
 
     h = run(T.embed(params["embed"], tokens, lambda x, axes: x), 0, split)
+    spliced = (jnp.arange(h.shape[1]) >= skip_first)[None, :, None]
     if mode == "sae":
         rows = h.reshape(-1, h.shape[-1]).astype(jnp.float32)
-        h = M.decode(sae, M.encode(sae, rows, spec, inference=True)).reshape(h.shape).astype(dtype)
+        h = jnp.where(spliced, M.decode(sae, M.encode(sae, rows, spec, inference=True)).reshape(h.shape).astype(dtype),
+                      h)
     elif mode == "zero":
-        h = jnp.zeros_like(h)
+        h = jnp.where(spliced, 0, h)
     h = T.rms_norm(run(h, split, cfg.num_layers), params["final_norm"], cfg.rms_norm_eps)
     logits = jnp.einsum("bsd,dv->bsv", h, T.lm_head(params, cfg).astype(h.dtype)).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
@@ -99,8 +103,9 @@ def _pack(ids: list[list[int]], rows: int, max_seq_len: int) -> tuple[np.ndarray
 
 def ce_loss_recovered(model: str, data: str, tensor: str, sae: dict[str, np.ndarray], spec: M.Spec, *,
                       text_field: str = "text", tokens: int = 100_000, rows: int = 8,
-                      max_seq_len: int = 256) -> dict[str, Any]:
-    """{ce_clean, ce_sae, ce_zero, ce_loss_recovered, tokens} of one SAE (params at the raw input scale)."""
+                      max_seq_len: int = 256, skip_first: int = 0) -> dict[str, Any]:
+    """{ce_clean, ce_sae, ce_zero, ce_loss_recovered, tokens} of one SAE (params at the raw input scale), each
+    text's first `skip_first` tokens left clean."""
     model_dir = resolve_checkpoint(model)
     cfg = ModelConfig.from_dir(model_dir)
     point, layer = split_point(tensor, cfg)
@@ -112,7 +117,8 @@ def ce_loss_recovered(model: str, data: str, tensor: str, sae: dict[str, np.ndar
     sums, count = {"clean": 0.0, "sae": 0.0, "zero": 0.0}, 0
     for batch_tokens, segments in text_batches(model_dir, data, text_field, rows, max_seq_len, tokens):
         for mode in sums:
-            total, n = losses(params, batch_tokens, segments, device_sae, cfg=cfg, split=split, mode=mode, spec=spec)
+            total, n = losses(params, batch_tokens, segments, device_sae, cfg=cfg, split=split, mode=mode, spec=spec,
+                              skip_first=skip_first)
             sums[mode] += float(total)
         count += int(n)
     if not count:

@@ -82,7 +82,10 @@ class ClosedShard:
     final: bool
     records: int
     # Per tensor, each block's (means, M2s) from the device (harvest.model.moments; None: the host computes it).
+    # Tensors without moments (a quantized tensor's scales) have no stats.
     moments: dict[str, tuple[list, list]]
+    first_stats: dict[str, fmt.RunningStats] | None = None  # of each sample's first token, per tensor
+    quantization: dict | None = None  # harvest.store.quant.record, where the tensors are 8-bit codes
 
 
 @dataclasses.dataclass
@@ -265,7 +268,7 @@ class Committer:
         return _Encoded(shard, parts, self._work.submit(fmt.sha256, parts),
                         {name: self._work.submit(fmt.sha256, blocks) for name, blocks in fmt.tensor_parts(parts).items()},
                         {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
-                         for name, blocks in shard.tensors.items()})
+                         for name, blocks in shard.tensors.items() if name in shard.moments})
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
@@ -275,6 +278,8 @@ class Committer:
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
             tensor_sha256={name: future.result() for name, future in encoded.tensor_digests.items()},
+            quantization=shard.quantization,
+            first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
         try:
             commit(self.storage, manifest, parts, self.guard)

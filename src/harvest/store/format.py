@@ -3,8 +3,10 @@ run.json, and exactly mergeable stats. The sidecar, progress and lease records a
 
 ```
 OUT/run.json                                       what the run is (model, points, dtypes, config, hash)
-OUT/stream_00003/shard_000012-ATTEMPT.safetensors  {point}.{layer} [n_tokens, d], tokens [n_tokens] int32,
-                                                   offsets [n+1] int64, sample_ids [n] int64, variants [n] int32
+OUT/stream_00003/shard_000012-ATTEMPT.safetensors  {point}.{layer} [n_tokens, d] (and {point}.{layer}.scale
+                                                   [n_tokens] float32 when stored as 8-bit codes), tokens
+                                                   [n_tokens] int32, offsets [n+1] int64, sample_ids [n] int64,
+                                                   variants [n] int32
 OUT/stream_00003/shard_000012.json                 the commit marker: written after the data; without it the
                                                    shard does not exist
 OUT/stream_00003/progress.json                     for `harvest status`; never read for correctness
@@ -17,7 +19,8 @@ holds a contiguous run of one stream's pieces; its sidecar records `start`/`next
 
 run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
-special_token_ids (left out of SAE batches), dtype, compute_dtype, max_seq_len, long, format, data: {source,
+special_token_ids (left out of SAE batches), dtype, compute_dtype, quantization (int8 and
+float8_e4m3fn: {scheme, scale_dtype}; harvest.store.quant), max_seq_len, long, format, data: {source,
 num_streams, counts (null when unknown)}, config (every setting), config_sha256}.
 """
 
@@ -34,8 +37,11 @@ import ml_dtypes  # noqa: F401  (numpy learns bfloat16)
 import numpy as np
 import safetensors
 
+from harvest.store import quant
+
 FORMAT_VERSION = 1
-DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}  # values as they are
+STORED_DTYPES = {**DTYPES, **quant.CODES}  # what a run may store: values, or 8-bit codes with per-token scales
 
 
 RUN_JSON = "run.json"
@@ -151,14 +157,14 @@ def encode_shard(*args: Any, **kwargs: Any) -> bytes:
 # safetensors dtype tags -> numpy: safetensors.numpy.load has no BF16 entry, so shards are decoded here.
 ST_DTYPES = {
     "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
     "U8": np.uint8, "U16": np.uint16, "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_,
 }
 
 
 _ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
 # The order safetensors lays tensors out in: its dtype enum, descending (only the dtypes shards hold).
-_WRITE_ORDER = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F16": 4}
+_WRITE_ORDER = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F16": 4, "F8_E4M3": 5, "I8": 6}
 
 
 def _tag(array: np.ndarray) -> str:
@@ -275,6 +281,12 @@ class RunningStats:
     @property
     def var(self) -> np.ndarray:
         return self.m2 / max(self.count - 1, 1)
+
+    def share_of(self, whole: RunningStats) -> float:
+        """The share of `whole`'s variance (summed over dimensions) that these rows, a subset of its rows,
+        hold: their squared distance from its mean over its total."""
+        total = float(np.sum(whole.m2))
+        return float(np.sum(self.m2 + self.count * np.square(self.mean - whole.mean))) / total if total else 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"count": self.count, "mean": self.mean.tolist(), "m2": self.m2.tolist()}

@@ -29,8 +29,8 @@ class CorruptShardError(UserError):
 
 
 def dtype_name(arr: np.ndarray) -> str:
-    """The run.json name of an array's dtype ("bfloat16", "float16", "float32"), else numpy's name."""
-    for name, dtype in fmt.DTYPES.items():
+    """The run.json name of an array's dtype ("bfloat16", "int8", ...), else numpy's name."""
+    for name, dtype in fmt.STORED_DTYPES.items():
         if arr.dtype == np.dtype(dtype):
             return name
     return arr.dtype.name

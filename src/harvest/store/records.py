@@ -126,7 +126,9 @@ class Sidecar(Record):
     through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
     `file`, `bytes`, `sha256`: the data object this sidecar commits (its name carries the writing attempt's
     id); `tensor_sha256`: each tensor's bytes in it, so a ranged read verifies what it fetched (None in
-    sidecars written before harvest recorded them).
+    sidecars written before harvest recorded them). `quantization`: {dtype, scheme} where the tensors are
+    stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
+    of each sample's first token alone (before quantization), to tell how much the attention sinks hold.
     """
 
     format_version: int
@@ -146,6 +148,8 @@ class Sidecar(Record):
     final: bool
     records: int
     tensor_sha256: dict | None = None
+    quantization: dict | None = None
+    first_stats: dict | None = None
 
     @classmethod
     def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
@@ -212,3 +216,4 @@ class RunInfo(Record):
     config: dict
     config_sha256: str
     special_token_ids: list | None = None  # the tokenizer's special tokens, left out of SAE batches (None: older run)
+    quantization: dict | None = None  # {scheme, scale_dtype} where dtype is an 8-bit code (harvest.store.quant)

@@ -81,11 +81,16 @@ class RunScanner:
         self.streams = covered_streams(self.info)
         self.threads = threads
         self._sidecars: dict[tuple[int, int], Sidecar] = {}
+        self._chains: dict[int, list[Sidecar]] = {}
+
+    def committed(self) -> list[Sidecar]:
+        """The committed chains' sidecars of the last scan, by (stream, shard)."""
+        return [sc for stream in sorted(self._chains) for sc in self._chains[stream]]
 
     def scan(self) -> list[dict[str, Any]]:
         """Each stream's committed chain up to any break (lenient: status shows a broken run; verify says
         what is wrong) and its progress.json."""
-        chains = read_chains(self.storage, self.streams, strict=False, known=self._sidecars)
+        chains = self._chains = read_chains(self.storage, self.streams, strict=False, known=self._sidecars)
         with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(self.streams)))) as pool:
             progress = list(pool.map(lambda s: read_progress(self.storage, s), self.streams))
         return [{"stream": s, "committed": chains[s], "progress": p} for s, p in zip(self.streams, progress)]
@@ -169,6 +174,10 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
                   human_count(sum(r["rate"] for r in rows)) if any(r["rate"] for r in rows) else "-",
                   f"{len({r['worker'] for r in rows if r['state'] == 'running'})} running",
                   human_age(min(ages) if ages else None), style="bold", end_section=True)
+    committed = Snapshot(scanner.storage.url, scanner.info, tuple(scanner.committed()))
+    table.caption = "first tokens: " + "; ".join(f"{name} {first_token_share(committed, name)}"
+                                                 for name in scanner.info.tensors)
+    table.caption_justify = "left"
     return table
 
 
@@ -222,17 +231,18 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     about.add_row("version", f"harvest {info.harvest_version}, format {info.format_version}, "
                              f"config {info.config_sha256[:12]}")
 
-    tensors = Table(title="tensors (stats over every committed token)", title_justify="left")
-    for name in ("tensor", "width", "dtype", "tokens", "mean of means", "mean std", "max |mean|"):
+    tensors = Table(title="tensors (stats over every committed token; first tokens: each sample's first, their "
+                          "share of the tokens and of the variance)", title_justify="left")
+    for name in ("tensor", "width", "dtype", "tokens", "mean of means", "mean std", "max |mean|", "first tokens"):
         tensors.add_column(name, justify="left" if name == "tensor" else "right")
     for name, width in run.tensors.items():
         stats = run.stats(name)
         if stats.count:
             std = np.sqrt(stats.var)
             tensors.add_row(name, str(width), run.dtype, f"{stats.count:,}", f"{stats.mean.mean():+.4g}",
-                            f"{std.mean():.4g}", f"{np.abs(stats.mean).max():.4g}")
+                            f"{std.mean():.4g}", f"{np.abs(stats.mean).max():.4g}", first_token_share(run, name))
         else:
-            tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-")
+            tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-", "-")
 
     out: list[RenderableType] = [about, tensors]
     first = next((sc for sc in run.shards if sc.samples > 0), None)
@@ -253,6 +263,15 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     else:
         out.append(Text("no committed sample yet", style="dim"))
     return out
+
+
+def first_token_share(run: Snapshot, name: str) -> str:
+    """"0.9% hold 41% of variance": how much the samples' first tokens (attention sinks) weigh in a tensor's
+    variance, from the sidecars' stats ("-" where they lack first-token stats); `sae train --skip-first`."""
+    first, whole = run.first_token_stats(name), run.stats(name)
+    if first is None or not whole.count:
+        return "-"
+    return f"{first.count / whole.count:.1%} hold {first.share_of(whole):.0%} of variance"
 
 
 def _packing(storage: Storage, streams: list[int]) -> float | None:

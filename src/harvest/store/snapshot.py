@@ -18,7 +18,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.listing import CorruptShardError, covered_streams, read_chains, read_run_info
 from harvest.store.records import RunInfo, Sidecar
 
@@ -69,11 +69,11 @@ class Snapshot:
     def slim(self, names: list[str]) -> Snapshot:
         """What token batches of tensors `names` need, and no more (it is what a data-loader worker is
         handed): the sidecars without stats or skipped entries, with the checksums of those tensors only."""
-        keep = {"tokens", *names}
+        keep = {"tokens", *names, *map(quant.scale_name, names)}
 
         def slimmed(sc: Sidecar) -> Sidecar:
             sums = None if sc.tensor_sha256 is None else {k: v for k, v in sc.tensor_sha256.items() if k in keep}
-            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums)
+            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums, first_stats=None)
 
         return dataclasses.replace(self, shards=tuple(map(slimmed, self.shards)))
 
@@ -125,12 +125,23 @@ class Snapshot:
         """Every stream the run covers (or of `streams`) has its final shard: nothing more will be committed."""
         return all(self.done(s) for s in (covered_streams(self.info) if streams is None else streams))
 
+    def first_token_stats(self, name: str) -> fmt.RunningStats | None:
+        """Stats of each committed sample's first token alone (the attention sinks), merged from the sidecars;
+        None when a shard's sidecar lacks them (written before harvest recorded them)."""
+        if any(sc.first_stats is None and sc.tokens for sc in self.shards):
+            return None
+        return self._merged(name, lambda sc: sc.first_stats or {})
+
     def stats(self, name: str) -> fmt.RunningStats:
         """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
+        return self._merged(name, lambda sc: sc.stats)
+
+    def _merged(self, name: str, field) -> fmt.RunningStats:
+        """The sidecars' stats `field(sidecar)[name]`, merged."""
         width = int(self.info.tensors[name])
         parts = []
         for sc in self.shards:
-            entry = sc.stats.get(name)
+            entry = field(sc).get(name)
             if entry is None:
                 if sc.tokens == 0:
                     continue
@@ -150,9 +161,9 @@ def shard_path(sidecar: Sidecar) -> str:
 
 
 def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
-    """All tensors of one committed shard, read whole, decoded and checked against its sidecar: the size, and
-    each tensor's sha256 (the whole file's in a sidecar from before per-tensor ones). CorruptShardError in
-    one line naming the shard when they do not match."""
+    """All tensors of one committed shard (8-bit codes as float32 values), read whole, decoded and checked
+    against its sidecar: the size, and each tensor's sha256 (the whole file's in a sidecar from before
+    per-tensor ones). CorruptShardError in one line naming the shard when they do not match."""
     rel = shard_path(sidecar)
     try:
         data = storage.read_bytes(rel)
@@ -165,7 +176,8 @@ def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
             if name not in tensors or fmt.sha256(tensors[name].reshape(-1).view(np.uint8)) != want:
                 raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar "
                                  f"({want[:12]}...)")
-        return tensors
+        coded = [n[:-len(quant.SCALE_SUFFIX)] for n in tensors if n.endswith(quant.SCALE_SUFFIX)]
+        return quant.dequantize_named(tensors, coded) if coded else tensors
     except ValueError as e:
         raise CorruptShardError(f"{storage.url}/{rel}: {e}; run `harvest verify {storage.url}`") from None
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
 from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
@@ -135,8 +135,8 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     if not isinstance(tensors, dict) or not tensors or not all(
             isinstance(w, int) and w > 0 for w in tensors.values()):
         bad.append(f"tensors must map names to positive widths, got {tensors!r}")
-    if info.get("dtype") not in fmt.DTYPES:
-        bad.append(f"dtype {info.get('dtype')!r} is not one of {', '.join(fmt.DTYPES)}")
+    if info.get("dtype") not in fmt.STORED_DTYPES:
+        bad.append(f"dtype {info.get('dtype')!r} is not one of {', '.join(fmt.STORED_DTYPES)}")
     data = info.get("data")
     if not isinstance(data, dict) or not isinstance(data.get("num_streams"), int) or data["num_streams"] < 1:
         bad.append("data.num_streams must be a positive integer")
@@ -236,17 +236,21 @@ def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Si
     if len(offsets) != n + 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) < 0):
         bad.append(f"offsets must run non-decreasing from 0 to {n_tokens} over {n + 1} entries "
                    f"(got {len(offsets)} entries, {offsets[:1].tolist()}..{offsets[-1:].tolist()})")
-    want_dtype = np.dtype(fmt.DTYPES[info.dtype])
+    want_dtype = np.dtype(fmt.STORED_DTYPES[info.dtype])
+    coded = quant.is_quantized(info.dtype)
     for name, width in info.tensors.items():
         if name not in t:
             bad.append(f"no {name} tensor")
         elif t[name].shape != (n_tokens, width) or t[name].dtype != want_dtype:
             bad.append(f"{name} is {dtype_name(t[name])}{list(t[name].shape)}, run.json says "
                        f"{info.dtype}[{n_tokens}, {width}]")
+        elif coded and (problem := quant.scale_problem(t[name], t.get(quant.scale_name(name)), info.dtype)):
+            bad.append(f"{quant.scale_name(name)} {problem}")
         stats = sc.stats.get(name)
         if not isinstance(stats, dict) or stats.get("count") != n_tokens or len(stats.get("mean") or []) != width:
             bad.append(f"sidecar stats for {name} do not cover {n_tokens} tokens x {width}")
-    extra = sorted(set(t) - set(info.tensors) - set(SHARD_ARRAYS))
+    scales = {quant.scale_name(name) for name in info.tensors} if coded else set()
+    extra = sorted(set(t) - set(info.tensors) - set(SHARD_ARRAYS) - scales)
     if extra:
         bad.append(f"tensors not in run.json: {', '.join(extra)}")
     for message in bad:
