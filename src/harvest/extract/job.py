@@ -38,7 +38,7 @@ from harvest.model.attention import resolve as resolve_attention
 from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
-from harvest.runtime.mesh import describe, make_mesh
+from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.store import format as fmt
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep
 from harvest.storage import Storage
@@ -83,7 +83,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # line at once and exits when the compile ends (it cannot be interrupted), leaving the program in the cache.
     decoding = dict(compute_dtype=compute_dtype, out_dtype=cfg.dtype, replicas=replicas, moment_slots=moments.SLOTS,
                     attention=cfg.attention)
-    compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
+    compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
@@ -120,10 +120,6 @@ def _in_background(fn, *args) -> concurrent.futures.Future:
     future = pool.submit(fn, *args)
     pool.shutdown(wait=False)
     return future
-
-
-def _num_slots(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def _renderer(cfg: ExtractConfig, tokenizer) -> prompts.Renderer:

@@ -60,6 +60,7 @@ class SaeConfig(RunSettings):
     keep: int = _like_train("keep", 3)
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
     log_every: int = _like_train("log_every", 100)
+    log_to: str | None = _like_train("log_to", None)
     eval_every: int = setting("every this many steps: fvu, l0 and dead fraction on up to 8 batches of the "
                               "held-out streams (--holdout-streams), logged as eval_*; 0 = off", 0, minimum=0)
     coordinator: str | None = _like_train("coordinator", None)
