@@ -31,8 +31,8 @@ from harvest.runtime import cache, distributed
 from harvest.runtime.chips import peak_flops_per_device
 from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.storage import Storage
-from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train import curves
+from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.config import TrainConfig
 from harvest.train.data import BatchFeeder, Groups, Position, row_source
 from harvest.train.optimizer import learning_rate, make_optimizer
