@@ -50,7 +50,8 @@ def test_an_extraction_named_in_tl_hooks_writes_the_same_run(tmp_path):
 
     checkpoint, _, streams = text_streams(tmp_path, 2, n=40)
     runs = {}
-    for name, points in (("tl", "blocks.0.mlp.hook_post,blocks.1.hook_resid_post"), ("ours", "mlp_hidden:0,resid_post:1")):
+    specs = {"tl": "blocks.0.mlp.hook_post,blocks.1.hook_resid_post", "ours": "mlp_hidden:0,resid_post:1"}
+    for name, points in specs.items():
         out = tmp_path / name
         run_extract(ExtractConfig(model=str(checkpoint), data=str(streams), out=str(out), points=points,
                                   dtype="float32", max_seq_len=64, batch_size=4).validate())

@@ -55,8 +55,9 @@ def from_tl_hook(name: str, spec: str | None = None) -> tuple[str, int] | None:
         return None
     if match is None or match.group(2) not in _TL_POINT:
         where = f"--points {spec!r}: " if spec is not None else ""
-        raise PointsError(f"{where}harvest captures no TransformerLens hook {name!r}; it has "
-                          + ", ".join(tl_hook_name(p, "N") for p in POINTS) + f" (or harvest's own {', '.join(POINTS)})")
+        hooks = ", ".join(TL_HOOKS[p].format(layer="N") for p in POINTS)
+        raise PointsError(f"{where}harvest captures no TransformerLens hook {name!r}; it has {hooks} "
+                          f"(or harvest's own {', '.join(POINTS)})")
     return _TL_POINT[match.group(2)], int(match.group(1))
 
 
