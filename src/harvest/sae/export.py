@@ -22,6 +22,7 @@ from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
 from harvest.train.runlog import read_run
 
 FORMATS = ("saelens", "sparsify")
+SAELENS_FORMAT = "6.0.0"  # the cfg.json layout written (metadata apart); without it SAELens drops the metadata
 
 
 def load_sae_run(url: str, step: int | None = None) -> tuple[dict[str, Any], int, dict[str, dict]]:
@@ -85,7 +86,8 @@ def _saelens(target: Path, name: str, spec: M.Spec, p: dict) -> None:
     weights = {k: p[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
     cfg: dict[str, Any] = {"d_in": spec.width, "d_sae": spec.latents, "dtype": "float32", "device": "cpu",
                            "apply_b_dec_to_input": True, "normalize_activations": "none",
-                           "metadata": {"hook_name": tl_hook_of_tensor(name) or name}}
+                           "metadata": {"sae_lens_version": SAELENS_FORMAT,
+                                        "hook_name": tl_hook_of_tensor(name) or name}}
     if spec.architecture == "topk":
         cfg.update(architecture="topk", k=spec.k)
     elif spec.architecture == "relu":
