@@ -1,6 +1,6 @@
 """TransformerLens hook names in --points: the six points harvest captures under the names TransformerLens's
 own HookedTransformer gives them, mixed with harvest's spec; a TL hook harvest has no point for is one line
-naming those it has; an extraction named either way writes the same run."""
+naming those it has; an extraction named either way writes the same run; `sae train --tensors` takes them too."""
 
 from __future__ import annotations
 
@@ -59,3 +59,14 @@ def test_an_extraction_named_in_tl_hooks_writes_the_same_run(tmp_path):
     assert set(runs["tl"].tensors) == {"mlp_hidden.0", "resid_post.1"} and runs["tl"].tensors == runs["ours"].tensors
     for a, b in zip(*(sorted((tmp_path / n).rglob("shard_*.safetensors")) for n in ("tl", "ours"))):
         assert a.read_bytes() == b.read_bytes()
+
+
+def test_sae_tensors_take_tl_names_and_refuse_a_hook_harvest_lacks():
+    from harvest.sae.config import SaeConfig
+
+    cfg = SaeConfig(run=["RUN"], tensors=["blocks.12.hook_resid_post", "mlp_out.3", "blocks.0.mlp.hook_post"],
+                    out="OUT").validate()
+    assert cfg.tensor_names == ("resid_post.12", "mlp_out.3", "mlp_hidden.0")
+    with pytest.raises(UserError) as e:
+        SaeConfig(run=["RUN"], tensors=["blocks.0.attn.hook_z"], out="OUT").validate()
+    assert "\n" not in str(e.value) and str(e.value).startswith("--tensors 'blocks.0.attn.hook_z': harvest captures no")

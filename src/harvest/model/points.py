@@ -47,14 +47,13 @@ def tl_hook_name(point: str, layer: int) -> str:
     return TL_HOOKS[point].format(layer=layer)
 
 
-def from_tl_hook(name: str, spec: str | None = None) -> tuple[str, int] | None:
+def from_tl_hook(name: str, where: str = "") -> tuple[str, int] | None:
     """(point, layer) of a TransformerLens hook name; None where `name` is not one (`blocks.N.` or `hook_`);
-    a TL hook harvest has no point for is refused in one line naming those it has."""
+    a TL hook harvest has no point for is refused in one line (after `where`, the input) naming those it has."""
     match = _TL_NAME.match(name)
     if match is None and "hook_" not in name:
         return None
     if match is None or match.group(2) not in _TL_POINT:
-        where = f"--points {spec!r}: " if spec is not None else ""
         hooks = ", ".join(TL_HOOKS[p].format(layer="N") for p in POINTS)
         raise PointsError(f"{where}harvest captures no TransformerLens hook {name!r}; it has {hooks} "
                           f"(or harvest's own {', '.join(POINTS)})")
@@ -76,7 +75,7 @@ def parse_points(spec: str, num_layers: int) -> CapturePlan:
     for token in (t.strip() for t in spec.split(",")):
         if not token:
             raise PointsError(f"--points {spec!r}: empty item; write e.g. resid_post:20-27,mlp_out:12")
-        hook = from_tl_hook(token, spec)
+        hook = from_tl_hook(token, f"--points {spec!r}: ")
         if hook is not None:
             current = None  # a bare layer after a hook name belongs to no point
             chosen.setdefault(hook[0], set()).update(_parse_layers(str(hook[1]), spec, num_layers))
