@@ -301,6 +301,7 @@ def test_exports_load_in_sparsify_and_saelens_with_harvests_outputs(source, stra
         assert done.returncode == 0, done.stderr[-3000:]
     coder = SparseCoder.load_from_disk(tmp_path / "sparsify" / TENSOR)
     lens = SAE.load_from_disk(str(tmp_path / "saelens" / TENSOR))
+    assert lens.cfg.metadata.hook_name == "blocks.1.hook_resid_post"  # the TransformerLens name of resid_post.1
     with torch.no_grad():
         xt = torch.from_numpy(x)
         top = coder.encode(xt)

@@ -93,7 +93,8 @@ class ExtractConfig:
     data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://, "
                         "hf://name[:config]:split")
     out: str = setting("output URL: a local directory, gs://bucket/path or s3://bucket/path")
-    points: str = setting("capture points, e.g. resid_post:20-27,mlp_out:12,attn_out:0,3,5", "resid_post:all")
+    points: str = setting("capture points, e.g. resid_post:20-27,mlp_out:12,attn_out:0,3,5, or TransformerLens hook "
+                          "names among them: blocks.12.hook_resid_post,blocks.3.mlp.hook_post", "resid_post:all")
     format: str = setting("how records become prompts", "text", choices=("text", "chat", "arc"))
     text_field: str = setting("field holding the text for --format text", "text")
     streams: str | None = setting("streams this worker writes, e.g. 0-7 (default: all)", None)

@@ -41,7 +41,7 @@ from harvest.model.attention import resolve as resolve_attention
 from harvest.model.weights import resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
-from harvest.runtime.mesh import describe, make_mesh
+from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.runtime.sigterm import SigtermFlag
 from harvest.store import format as fmt, quant
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
@@ -88,7 +88,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # 8-bit codes are made on the host from float32 values, whose moments the sidecars' stats are.
     decoding = dict(compute_dtype=compute_dtype, out_dtype="float32" if quant.is_quantized(cfg.dtype) else cfg.dtype,
                     replicas=replicas, moment_slots=moments.SLOTS, attention=cfg.attention)
-    compiled = compile_forward(checkpoint, cfg.points, mesh, (_num_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
+    compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
@@ -129,10 +129,6 @@ def _in_background(fn, *args) -> concurrent.futures.Future:
     future = pool.submit(fn, *args)
     pool.shutdown(wait=False)
     return future
-
-
-def _num_slots(mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
 def _renderer(cfg: ExtractConfig, tokenizer) -> prompts.Renderer:

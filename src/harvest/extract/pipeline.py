@@ -24,6 +24,7 @@ from harvest.data.batching import Row
 from harvest.extract.report import Progress
 from harvest.model import Decoder
 from harvest.runtime import distributed
+from harvest.runtime.mesh import data_slots
 from harvest.store import format as fmt
 from harvest.store.commit import Committer
 
@@ -37,7 +38,7 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     `stop()` is true on any process; returns whether it stopped early, when the shards closed by then are
     committed. Raises the first failure of any stage. `compiled`: the forward's compile under way
     (model.compile_forward), awaited before the first batch."""
-    num_slots = decoder.mesh.shape["data"] * decoder.mesh.shape["fsdp"]
+    num_slots = data_slots(decoder.mesh)
     shape = (num_slots * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)

@@ -1,4 +1,5 @@
-"""Capture points and the `--points` spec: which activations, at which layers."""
+"""Capture points and the `--points` spec: which activations, at which layers; harvest's own names
+(`resid_post:20-27`) or TransformerLens hook names (`blocks.12.hook_resid_post`), mixed at will."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from harvest.ranges import format_ranges
 # In the order they arise inside a layer.
 POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_hidden", "mlp_out", "resid_post")
 _LAYERS = re.compile(r"^(\d+)(?:-(\d+))?$")
+# The TransformerLens hook of each point, {layer} its block: where SAELens and TL users know them from.
+TL_HOOKS = {"resid_pre": "blocks.{layer}.hook_resid_pre", "attn_out": "blocks.{layer}.hook_attn_out",
+            "resid_mid": "blocks.{layer}.hook_resid_mid", "mlp_hidden": "blocks.{layer}.mlp.hook_post",
+            "mlp_out": "blocks.{layer}.hook_mlp_out", "resid_post": "blocks.{layer}.hook_resid_post"}
+_TL_POINT = {hook.split(".", 2)[2]: point for point, hook in TL_HOOKS.items()}
+_TL_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
 class PointsError(UserError):
@@ -35,13 +42,44 @@ class CapturePlan:
         return ",".join(f"{point}:{format_ranges(layers)}" for point, layers in self.points)
 
 
+def tl_hook_name(point: str, layer: int) -> str:
+    """The TransformerLens hook name of a point at a layer: `blocks.12.hook_resid_post`."""
+    return TL_HOOKS[point].format(layer=layer)
+
+
+def from_tl_hook(name: str, where: str = "") -> tuple[str, int] | None:
+    """(point, layer) of a TransformerLens hook name; None where `name` is not one (`blocks.N.` or `hook_`);
+    a TL hook harvest has no point for is refused in one line (after `where`, the input) naming those it has."""
+    match = _TL_NAME.match(name)
+    if match is None and "hook_" not in name:
+        return None
+    if match is None or match.group(2) not in _TL_POINT:
+        hooks = ", ".join(TL_HOOKS[p].format(layer="N") for p in POINTS)
+        raise PointsError(f"{where}harvest captures no TransformerLens hook {name!r}; it has {hooks} "
+                          f"(or harvest's own {', '.join(POINTS)})")
+    return _TL_POINT[match.group(2)], int(match.group(1))
+
+
+def tl_hook_of_tensor(tensor: str) -> str | None:
+    """The TransformerLens hook name of a run's tensor (`resid_post.12`, see harvest.store.format.tensor_name);
+    None for a tensor that is no point at a layer."""
+    point, _, layer = tensor.rpartition(".")
+    return tl_hook_name(point, int(layer)) if point in TL_HOOKS and layer.isdigit() else None
+
+
 def parse_points(spec: str, num_layers: int) -> CapturePlan:
-    """Parse `resid_post:20-27,mlp_out:12,attn_out:0,3,5` (`all` = every layer) against the model depth."""
+    """Parse `resid_post:20-27,mlp_out:12,attn_out:0,3,5` (`all` = every layer) against the model depth;
+    a TransformerLens hook name (`blocks.3.hook_mlp_out`) is one point at one layer, among the others."""
     chosen: dict[str, set[int]] = {}
     current = None
     for token in (t.strip() for t in spec.split(",")):
         if not token:
             raise PointsError(f"--points {spec!r}: empty item; write e.g. resid_post:20-27,mlp_out:12")
+        hook = from_tl_hook(token, f"--points {spec!r}: ")
+        if hook is not None:
+            current = None  # a bare layer after a hook name belongs to no point
+            chosen.setdefault(hook[0], set()).update(_parse_layers(str(hook[1]), spec, num_layers))
+            continue
         if ":" in token:
             current, token = (s.strip() for s in token.split(":", 1))
             if current not in POINTS:

@@ -106,5 +106,10 @@ def constrainer(mesh: Mesh | None) -> Callable | None:
     return constrain
 
 
+def data_slots(mesh: Mesh) -> int:
+    """How many parts a batch splits into: its rows go over the data axes (data x fsdp), one block per slot."""
+    return math.prod(mesh.shape[a] for a in RULES["batch"])
+
+
 def describe(mesh: Mesh) -> str:
     return " x ".join(f"{a}={mesh.shape[a]}" for a in AXES)

@@ -8,6 +8,8 @@ import math
 from typing import Any
 
 from harvest.config import ConfigError, RunSettings, check_settings, setting, str_list
+from harvest.model.points import from_tl_hook
+from harvest.store.format import tensor_name
 from harvest.train.config import TrainConfig
 
 _TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
@@ -23,8 +25,8 @@ def _like_train(name: str, default: Any, help: str | None = None):
 class SaeConfig(RunSettings):
     run: list[str] = setting("harvest run URL(s) to train on, a YAML list or comma-separated (every batch takes "
                              "equal parts of each)")
-    tensors: list[str] = setting("tensor(s) of the run, a YAML list or comma-separated, e.g. resid_post.12; one SAE "
-                                 "each, all in one pass")
+    tensors: list[str] = setting("tensor(s) of the run, a YAML list or comma-separated, e.g. resid_post.12 (or its "
+                                 "TransformerLens name blocks.12.hook_resid_post); one SAE each, all in one pass")
     out: str = setting("the SAE run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
     architecture: str = setting("activation and sparsity penalty", "topk", choices=ARCHITECTURES)
     latents: int | None = setting("latents per SAE (default: --expansion x the tensor's width)", None, minimum=1)
@@ -63,6 +65,7 @@ class SaeConfig(RunSettings):
     keep: int = _like_train("keep", 3)
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
     log_every: int = _like_train("log_every", 100)
+    log_to: str | None = _like_train("log_to", None)
     eval_every: int = setting("every this many steps: fvu, l0 and dead fraction on up to 8 batches of the "
                               "held-out streams (--holdout-streams), logged as eval_*; 0 = off", 0, minimum=0)
     coordinator: str | None = _like_train("coordinator", None)
@@ -86,7 +89,9 @@ class SaeConfig(RunSettings):
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
-        return tuple(self.tensors)
+        """The run's tensors; a TransformerLens hook name (blocks.12.hook_resid_post) as harvest names it."""
+        return tuple(t if (hook := from_tl_hook(t, f"--tensors {t!r}: ")) is None else tensor_name(*hook)
+                     for t in self.tensors)
 
     def num_latents(self, width: int) -> int:
         return self.latents or self.expansion * width

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from jax.sharding import Mesh
 from harvest.errors import UserError
 from harvest.read.jax_data import GlobalBatches
 from harvest.read.run import Run, open_run
+from harvest.runtime.mesh import data_slots
 from harvest.sae.step import DATA_AXES
 
 
@@ -73,7 +73,7 @@ def open_inputs(urls: tuple[str, ...], tensors: tuple[str, ...], holdout_streams
 
 def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
     """Rows per run per step; refuses a batch whose parts do not divide over the data slots."""
-    slots = math.prod(mesh.shape[a] for a in DATA_AXES)
+    slots = data_slots(mesh)
     part = batch_tokens // runs
     if part % slots:
         raise SaeInputError(f"--batch-tokens {batch_tokens}" + (f" / {runs} runs = {part}" if runs > 1 else "")

@@ -16,20 +16,23 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from harvest.errors import UserError
+from harvest.model.points import tl_hook_of_tensor
 from harvest.sae import model as M
 from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
-from harvest.train.runlog import RUN_JSON
+from harvest.train.runlog import read_run
 
 FORMATS = ("saelens", "sparsify")
+SAELENS_FORMAT = "6.0.0"  # the cfg.json layout written (metadata apart); without it SAELens drops the metadata
 
 
 def load_sae_run(url: str, step: int | None = None) -> tuple[dict[str, Any], int, dict[str, dict]]:
     """(run.json, the step, {tensor: params as numpy float32, the input scale folded in})."""
     run = Storage(url)
-    info = run.read_json(RUN_JSON) if run.exists(RUN_JSON) else None
-    if not isinstance(info, dict) or info.get("kind") != "sae":
+    record = read_run(run, "sae", "an SAE run")
+    if record is None:
         raise UserError(f"{run.url} is not an SAE run (no run.json of `harvest sae train`)")
+    info = record.to_json()
     checkpoints = Checkpoints(run.url_of(CHECKPOINTS), every=1, keep=1, read_only=True)
     try:
         steps = checkpoints.steps()
@@ -82,11 +85,13 @@ def _sparsify(target: Path, name: str, spec: M.Spec, p: dict) -> None:
 
 
 def _saelens(target: Path, name: str, spec: M.Spec, p: dict) -> None:
-    """topk -> TopKSAE; relu -> StandardSAE; jumprelu and batchtopk (its learned threshold) -> JumpReLUSAE."""
+    """topk -> TopKSAE; relu -> StandardSAE; jumprelu and batchtopk (its learned threshold) -> JumpReLUSAE. The
+    hook_name is the TransformerLens name of the point (`blocks.12.hook_resid_post`), as SAELens users hook it."""
     weights = {k: p[k] for k in ("W_enc", "b_enc", "W_dec", "b_dec")}
     cfg: dict[str, Any] = {"d_in": spec.width, "d_sae": spec.latents, "dtype": "float32", "device": "cpu",
                            "apply_b_dec_to_input": True, "normalize_activations": "none",
-                           "metadata": {"hook_name": name}}
+                           "metadata": {"sae_lens_version": SAELENS_FORMAT,
+                                        "hook_name": tl_hook_of_tensor(name) or name}}
     if spec.architecture == "topk":
         cfg.update(architecture="topk", k=spec.k)
     elif spec.architecture == "relu":

@@ -9,7 +9,6 @@ steps and saving every `checkpoint_every`; SIGTERM saves at once and stops (exit
 from __future__ import annotations
 
 import time
-from importlib.metadata import version
 from typing import Any
 
 import jax
@@ -25,8 +24,10 @@ from harvest.sae import model as M
 from harvest.sae.config import SaeConfig
 from harvest.sae.step import fresh_state, init_state, make_eval, make_optimizer, make_step, state_shardings
 from harvest.storage import Storage
+from harvest.train import curves
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
-from harvest.train.runlog import RUN_JSON, MetricsFile, SigtermFlag, check_run
+from harvest.train.loop import run_steps
+from harvest.train.runlog import MetricsFile, RunRecord, check_run, write_run
 
 KIND = "sae"
 EVAL_BATCHES = 8  # batches of held-out rows each --eval-every evaluation reads
@@ -58,15 +59,15 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first) if cfg.eval_every
                  else None)
-    info = {"kind": KIND, "harvest_version": version("harvest"), "config": cfg.to_dict(),
-            "run_settings": {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
-            "saes": {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout}
-                     for t, s in specs.items()},
-            "mesh": describe(mesh), "compute_dtype": compute_dtype, "config_sha256": stable_hash(cfg.shared_settings())}
-    distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
+    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout} for t, s in specs.items()}
+    record = RunRecord(KIND, cfg.to_dict(),
+                       {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
+                       describe(mesh), stable_hash(cfg.shared_settings()), compute_dtype, details={"saes": saes})
+    distributed.agree({**cfg.shared_settings(), "mesh": record.mesh, "harvest_version": record.harvest_version},
                       "the SAE training settings")
     out = Storage(cfg.out)
-    check_run(out, info, "an SAE run")  # the last refusal: nothing is written before it
+    curves.require(cfg.log_to)
+    record = check_run(out, record, "an SAE run")  # the last refusal: nothing is written before it
 
     steps = cfg.steps
     optimizers = {t: make_optimizer(cfg.learning_rate(s.latents), cfg.warmup, steps, cfg.schedule)
@@ -84,40 +85,30 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
         saved_at, state, saved = restored
         for reader, position in zip(batches, saved["readers"][jax.process_index()]):
             reader.load_state_dict(position)
-    if jax.process_index() == 0 and not out.exists(RUN_JSON):
-        out.write_json(RUN_JSON, info)
+    write_run(out, record)
 
     step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales,
                         compute_dtype=compute_dtype)
     evaluate = make_eval(specs, shardings, mesh, scales=scales, compute_dtype=compute_dtype) if cfg.eval_every else None
-    log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg)
+    log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg, record)
 
     def save(at: int) -> None:
-        checkpoints.save(at, state, {"readers": D.gather_states(batches)}, force=True)
+        if state is not None:  # None: no step ran and no checkpoint exists (the init needs a first batch)
+            checkpoints.save(at, state, {"readers": D.gather_states(batches)}, force=True)
+
+    def advance(step: int) -> None:
+        nonlocal state
+        batch = D.next_batch(batches, tensors)
+        if state is None:
+            state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
+        state, metrics = step_fn(state, batch)
+        held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
+        log.step(step, metrics, held)
 
     start = time.monotonic()
-    with SigtermFlag() as sigterm, distributed.peers_watched():
-        step = 0 if state is None else int(state["step"])
-        while step < steps:
-            batch = D.next_batch(batches, tensors)
-            if state is None:
-                state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
-            state, metrics = step_fn(state, batch)
-            step += 1
-            held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
-            log.step(step, metrics, held)
-            sigterm.hold(step)
-            preempted = distributed.any_true(sigterm.raised)
-            if preempted or step % cfg.checkpoint_every == 0 or step == steps:
-                save(step)
-                saved_at = step
-            if preempted:
-                break
-        if state is not None and saved_at != step:
-            save(step)
-        checkpoints.wait()
-        checkpoints.close()
-        distributed.barrier("harvest-sae-done")
+    step = run_steps(0 if state is None else int(state["step"]), steps, advance, save, checkpoints=checkpoints,
+                     every=cfg.checkpoint_every, saved_at=saved_at, name="harvest-sae-done")
+    log.file.close()
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
             **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction")},
             "seconds": round(time.monotonic() - start, 1)}
@@ -143,8 +134,8 @@ class SaeMetrics:
     top level) and tokens/s, as a line on the terminal and a record in RUN/metrics.jsonl; at an evaluation
     (`eval_every`) also eval_fvu, eval_l0, eval_dead_fraction on the held-out rows."""
 
-    def __init__(self, out: Storage, step: int, cfg: SaeConfig):
-        self.file = MetricsFile(out, step)
+    def __init__(self, out: Storage, step: int, cfg: SaeConfig, record: RunRecord):
+        self.file = MetricsFile(out, step, cfg.log_to, record)
         self.cfg = cfg
         self._since = (step, time.monotonic())
         self.last: dict[str, Any] = {}

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, RunSettings, check_settings, setting
+from harvest.train.curves import LOG_TO
 
 _EXTRACT = {f.name: f.metadata for f in dataclasses.fields(ExtractConfig)}
 
@@ -52,6 +53,11 @@ class TrainConfig(RunSettings):
     keep: int = setting("checkpoints to keep", 3, minimum=1)
     seed: int = setting("seed of a from-scratch init", 0, minimum=0)
     log_every: int = setting("metrics every N steps", 10, minimum=1)
+    log_to: str | None = setting("also send process 0's metrics (those of RUN/metrics.jsonl) to Weights & Biases "
+                                 "(project $WANDB_PROJECT, default harvest; a resumed run continues the same W&B "
+                                 "run, its id kept in run.json) or to TensorBoard (RUN/tensorboard/, one event file a "
+                                 "resumed run continues); needs pip install 'harvest[logging]'", None,
+                                 choices=LOG_TO)
     coordinator: str | None = _like_extract("coordinator", None)
     num_processes: int | None = _like_extract("num_processes", None)
     process_id: int | None = _like_extract("process_id", None)

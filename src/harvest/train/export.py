@@ -18,6 +18,7 @@ from harvest.model.config import ModelConfig
 from harvest.model.weights import to_hf
 from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
+from harvest.train.runlog import read_run
 
 MAX_SHARD_BYTES = 5 * 10**9
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -30,11 +31,10 @@ def export(run_url: str, out_dir: str | Path, step: int | None = None,
            max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any]:
     """Write step `step` (default: the newest) of the run as a HF checkpoint in out_dir."""
     run = Storage(run_url)
-    if not run.exists("run.json"):
+    record = read_run(run, "train", "a training run")
+    if record is None:
         raise UserError(f"{run.url}: no run.json; not a harvest training run")
-    info = run.read_json("run.json")
-    if info.get("kind") != "train":
-        raise UserError(f"{run.url}: not a training run (its run.json is another kind)")
+    info = record.details
     checkpoints = Checkpoints(run.url_of(CHECKPOINTS), every=1, keep=1, read_only=True)
     try:
         steps = checkpoints.steps()

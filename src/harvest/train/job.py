@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from importlib.metadata import version
 from typing import Any
 
 import jax
@@ -30,17 +29,20 @@ from harvest.model.init import init_params
 from harvest.model.weights import load_params, param_specs, resolve_checkpoint, tree_set
 from harvest.runtime import cache, distributed
 from harvest.runtime.chips import peak_flops_per_device
-from harvest.runtime.mesh import describe, make_mesh
+from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.storage import Storage
+from harvest.train import curves
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.config import TrainConfig
 from harvest.train.data import BatchFeeder, Groups, Position, row_source
 from harvest.train.optimizer import learning_rate, make_optimizer
-from harvest.train.runlog import HOLD_AT, RUN_JSON, MetricsFile, SigtermFlag, check_run
+from harvest.train.loop import run_steps
+from harvest.train.runlog import HOLD_AT, MetricsFile, RunRecord, check_run, write_run
 from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
 from harvest.train.trm.settings import TrmTrainConfig, build_trm, trm_model
 
 __all__ = ["HOLD_AT", "model_config", "run_train", "train_config"]
+KIND = "train"
 
 
 def train_config(yaml_path: str | None, flags: dict[str, Any]) -> TrainConfig | TrmTrainConfig:
@@ -72,7 +74,7 @@ def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
     model, hf_config = model_config(cfg)
     data = streams.open_data(cfg.data)
     groups = Groups(data.num_streams, cfg.batch_size)
-    slots = mesh.shape["data"] * mesh.shape["fsdp"]
+    slots = data_slots(mesh)
     if (cfg.batch_size // cfg.grad_accum) % slots:
         raise UserError(f"--batch-size {cfg.batch_size} / --grad-accum {cfg.grad_accum} = "
                         f"{cfg.batch_size // cfg.grad_accum} rows per micro-batch, not a multiple of the mesh's "
@@ -84,15 +86,14 @@ def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
                         f"vocab_size {model.vocab_size}")
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     attention = resolve_attention(cfg.attention, model.sliding_windows, cfg.seq_len, mesh, backward=True)
-    info = {"kind": "train", "harvest_version": version("harvest"), "config": cfg.to_dict(),
-            "run_settings": cfg.run_settings(), "hf_config": hf_config, "tokenizer": str(tokenizer_dir),
-            "model_type": model.model_type, "num_params": _num_params(model), "mesh": describe(mesh),
-            "compute_dtype": compute_dtype, "attention": attention,
-            "config_sha256": stable_hash(cfg.shared_settings())}
-    distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
+    record = RunRecord(KIND, cfg.to_dict(), cfg.run_settings(), describe(mesh), stable_hash(cfg.shared_settings()),
+                       compute_dtype, attention, {"hf_config": hf_config, "tokenizer": str(tokenizer_dir),
+                                                  "model_type": model.model_type, "num_params": _num_params(model)})
+    distributed.agree({**cfg.shared_settings(), "mesh": record.mesh, "harvest_version": record.harvest_version},
                       "the training settings")
     out = Storage(cfg.out)
-    check_run(out, info, "a training run")  # the last refusal: nothing is written before it
+    curves.require(cfg.log_to)
+    record = check_run(out, record, "a training run")  # the last refusal: nothing is written before it
 
     optimizer = make_optimizer(cfg)
     params_shape = _params_shape(model, cfg.param_dtype)
@@ -108,8 +109,7 @@ def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
     else:
         saved_at, state, saved = restored
         positions = [Position.from_json(p) for p in saved["groups"]]
-    if jax.process_index() == 0 and not out.exists(RUN_JSON):
-        out.write_json(RUN_JSON, info)
+    write_run(out, record)
 
     shape = (cfg.batch_size, cfg.seq_len)
     sharding = batch_sharding(shape, mesh)
@@ -121,7 +121,7 @@ def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
     step_fn = make_step(model, mesh, optimizer, shardings, compute_dtype=compute_dtype, remat=cfg.remat,
                         grad_accum=cfg.grad_accum, batch_shape=shape, lr_at=learning_rate(cfg),
                         attention=attention)
-    log = MetricsLog(out, int(state["step"]), model, cfg, compute_dtype)
+    log = MetricsLog(out, int(state["step"]), model, cfg, compute_dtype, record)
 
     def place(host: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(shape, sharding, lambda index: host[index])
@@ -130,26 +130,16 @@ def run_train(cfg: TrainConfig | TrmTrainConfig) -> dict[str, Any]:
         data_state = {"groups": [p.to_json() for p in _all_positions(feeder.positions(), groups.count)]}
         checkpoints.save(step, state, data_state, force=True)
 
+    def advance(step: int) -> None:
+        nonlocal state
+        tokens, segments = feeder.next_batch()
+        state, metrics = step_fn(state, place(tokens), place(segments))
+        log.step(step, metrics)
+
     start = time.monotonic()
-    with SigtermFlag() as sigterm, distributed.peers_watched():
-        step = int(state["step"])
-        while step < cfg.steps:
-            tokens, segments = feeder.next_batch()
-            state, metrics = step_fn(state, place(tokens), place(segments))
-            step += 1
-            log.step(step, metrics)
-            sigterm.hold(step)
-            preempted = distributed.any_true(sigterm.raised)
-            if preempted or step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                save(step)
-                saved_at = step
-            if preempted:
-                break
-        if saved_at != step:  # e.g. --steps 0: the starting point is a checkpoint too
-            save(step)
-        checkpoints.wait()
-        checkpoints.close()
-        distributed.barrier("harvest-train-done")
+    step = run_steps(int(state["step"]), cfg.steps, advance, save, checkpoints=checkpoints,
+                     every=cfg.checkpoint_every, saved_at=saved_at, name="harvest-train-done")
+    log.file.close()
     return {"out": out.url, "step": step, "steps": cfg.steps, "preempted": step < cfg.steps,
             "loss": log.last.get("loss"), "seconds": round(time.monotonic() - start, 1)}
 
@@ -191,8 +181,9 @@ class MetricsLog:
     as a line on the terminal and a record in RUN/metrics.jsonl (process 0; records past a resumed step
     are dropped)."""
 
-    def __init__(self, out: Storage, step: int, model: ModelConfig, cfg: TrainConfig, compute_dtype: str):
-        self.file = MetricsFile(out, step)
+    def __init__(self, out: Storage, step: int, model: ModelConfig, cfg: TrainConfig, compute_dtype: str,
+                 record: RunRecord):
+        self.file = MetricsFile(out, step, cfg.log_to, record)
         self.flops_per_step = train_flops_per_token(model, cfg.seq_len) * cfg.batch_size * cfg.seq_len
         self.peak = peak_flops_per_device(compute_dtype) * jax.device_count()
         self.cfg = cfg

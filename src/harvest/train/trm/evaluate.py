@@ -24,7 +24,7 @@ from harvest.puzzles.format import PuzzleDataset, open_puzzles
 from harvest.runtime.mesh import make_mesh
 from harvest.storage import Storage
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
-from harvest.train.runlog import RUN_JSON
+from harvest.train.runlog import read_run
 from harvest.train.trm.config import TrmConfig, TrmOptim
 from harvest.train.trm.step import batch_shardings, predict_fn, replicated
 
@@ -37,9 +37,10 @@ def load_run(run_url: str) -> tuple[dict, TrmConfig, TrmOptim, int, dict]:
     from harvest.train.trm.job import KIND, state_shapes
 
     out = Storage(run_url)
-    info = out.read_json(RUN_JSON) if out.exists(RUN_JSON) else {}
-    if info.get("kind") != KIND:
-        raise UserError(f"{out.url}: not a TRM training run (no run.json of kind {KIND!r})")
+    record = read_run(out, KIND, "a TRM training run")
+    if record is None:
+        raise UserError(f"{out.url}: not a TRM training run (no run.json)")
+    info = record.to_json()
     model, optim = TrmConfig(**info["trm"]["model"]), TrmOptim(**info["trm"]["optim"])
     shapes = state_shapes(model, optim, 0)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from importlib.metadata import version
 from typing import Any
 
 import jax
@@ -23,10 +22,12 @@ from harvest.config import stable_hash
 from harvest.errors import UserError
 from harvest.puzzles.format import open_puzzles
 from harvest.runtime import cache, distributed
-from harvest.runtime.mesh import describe, make_mesh
+from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.storage import Storage
+from harvest.train import curves
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
-from harvest.train.runlog import RUN_JSON, MetricsFile, SigtermFlag, check_run
+from harvest.train.loop import run_steps
+from harvest.train.runlog import MetricsFile, RunRecord, check_run, write_run
 from harvest.train.trm.carry import empty_carry
 from harvest.train.trm.config import TrmConfig, TrmOptim
 from harvest.train.trm.data import batches, epoch_examples
@@ -59,7 +60,7 @@ def run_trm_train(cfg: TrmTrainConfig) -> dict[str, Any]:
     if mesh.shape["model"] > 1:
         raise TrmInputError(f"--mesh {describe(mesh)}: a TRM is replicated, not split over model; put the devices "
                             "on data (and fsdp)")
-    slots = mesh.shape["data"] * mesh.shape["fsdp"]
+    slots = data_slots(mesh)
     if cfg.batch_size % slots:
         raise TrmInputError(f"--batch-size {cfg.batch_size} is not a multiple of the mesh's {slots} data slots "
                             f"(data x fsdp of {describe(mesh)})")
@@ -72,14 +73,15 @@ def run_trm_train(cfg: TrmTrainConfig) -> dict[str, Any]:
                             f"{epoch} examples")
     steps = cfg.steps if cfg.steps is not None else optim.total_steps(dataset.info)
     trm = {"model": dataclasses.asdict(model), "optim": dataclasses.asdict(optim)}
-    info = {"kind": KIND, "harvest_version": version("harvest"), "config": cfg.to_dict(), "steps": steps,
-            "run_settings": {**trm, "data": cfg.data, "seed": cfg.seed}, "trm": trm, "dataset": dataset.info.kind,
-            "num_params": _num_params(model, optim), "mesh": describe(mesh),
-            "config_sha256": stable_hash(cfg.shared_settings())}
-    distributed.agree({**cfg.shared_settings(), "mesh": describe(mesh), "harvest_version": info["harvest_version"]},
+    record = RunRecord(KIND, cfg.to_dict(), {**trm, "data": cfg.data, "seed": cfg.seed}, describe(mesh),
+                       stable_hash(cfg.shared_settings()),
+                       details={"steps": steps, "trm": trm, "dataset": dataset.info.kind,
+                                "num_params": _num_params(model, optim)})
+    distributed.agree({**cfg.shared_settings(), "mesh": record.mesh, "harvest_version": record.harvest_version},
                       "the TRM training settings")
     out = Storage(cfg.out)
-    check_run(out, info, "a TRM training run")  # the last refusal: nothing is written before it
+    curves.require(cfg.log_to)
+    record = check_run(out, record, "a TRM training run")  # the last refusal: nothing is written before it
 
     shapes = state_shapes(model, optim, cfg.seed)
     shardings = state_shardings(shapes, mesh)
@@ -92,12 +94,12 @@ def run_trm_train(cfg: TrmTrainConfig) -> dict[str, Any]:
     else:
         saved_at, state, _ = restored
     carry = state.pop("carry")
-    if jax.process_index() == 0 and not out.exists(RUN_JSON):
-        out.write_json(RUN_JSON, info)
+    write_run(out, record)
 
     step_fn = make_train_step(model, optim, mesh, state, cfg.batch_size)
     batch_sh = batch_shardings({k: carry[k] for k in ("inputs", "labels", "puzzle_identifiers")}, mesh)
-    log = TrmMetrics(out, int(state["step"]), steps, cfg.log_every, cfg.batch_size * model.seq_len)
+    log = TrmMetrics(MetricsFile(out, int(state["step"]), cfg.log_to, record), int(state["step"]), steps,
+                     cfg.log_every, cfg.batch_size * model.seq_len)
 
     def place(batch: dict) -> dict:
         return {k: jax.make_array_from_callback(v.shape, batch_sh[k], lambda index, v=v: v[index])
@@ -106,26 +108,17 @@ def run_trm_train(cfg: TrmTrainConfig) -> dict[str, Any]:
     def save(at: int) -> None:
         checkpoints.save(at, {**state, "carry": carry}, {"batch": at}, force=True)
 
+    feed = batches(train, cfg.batch_size, cfg.seed, start=int(state["step"]))
+
+    def advance(step: int) -> None:
+        nonlocal state, carry
+        state, carry, metrics = step_fn(state, carry, place(next(feed)))
+        log.step(step, metrics)
+
     start = time.monotonic()
-    with SigtermFlag() as sigterm, distributed.peers_watched():
-        step = int(state["step"])
-        feed = batches(train, cfg.batch_size, cfg.seed, start=step)
-        while step < steps:
-            state, carry, metrics = step_fn(state, carry, place(next(feed)))
-            step += 1
-            log.step(step, metrics)
-            sigterm.hold(step)
-            preempted = distributed.any_true(sigterm.raised)
-            if preempted or step % cfg.checkpoint_every == 0 or step == steps:
-                save(step)
-                saved_at = step
-            if preempted:
-                break
-        if saved_at != step:  # e.g. --steps 0: the starting point is a checkpoint too
-            save(step)
-        checkpoints.wait()
-        checkpoints.close()
-        distributed.barrier("harvest-trm-done")
+    step = run_steps(int(state["step"]), steps, advance, save, checkpoints=checkpoints, every=cfg.checkpoint_every,
+                     saved_at=saved_at, name="harvest-trm-done")
+    log.file.close()
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "loss": log.last.get("loss"),
             "seconds": round(time.monotonic() - start, 1)}
 
@@ -144,8 +137,8 @@ class TrmMetrics:
     exact accuracy (whole grid right), token accuracy, Q-halt accuracy and mean halting step, lr and grid
     tokens/s, on the terminal and in RUN/metrics.jsonl."""
 
-    def __init__(self, out: Storage, step: int, steps: int, every: int, tokens_per_step: int):
-        self.file = MetricsFile(out, step)
+    def __init__(self, file: MetricsFile, step: int, steps: int, every: int, tokens_per_step: int):
+        self.file = file
         self.steps, self.every, self.tokens_per_step = steps, every, tokens_per_step
         self._since = (step, time.monotonic())
         self._pending: list[dict] = []  # on device until a log line needs them: no sync per step

@@ -41,6 +41,7 @@ class TrmTrainConfig(RunSettings):
     keep: int = _like_train("keep", 3)
     seed: int = setting("seed of the init, the halting exploration and the batches' order", 0, minimum=0)
     log_every: int = _like_train("log_every", 100)
+    log_to: str | None = _like_train("log_to", None)
     coordinator: str | None = _like_train("coordinator", None)
     num_processes: int | None = _like_train("num_processes", None)
     process_id: int | None = _like_train("process_id", None)

@@ -1,0 +1,36 @@
+"""The loop every trainer on the runtime runs (`harvest train`, its TRM model, `harvest sae train`): steps to the
+end, a checkpoint every N steps and at the end, and a preemption notice (SIGTERM on any process) agreed on by
+all of them so that they save the same step together and stop. One copy, so the three resume alike."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from harvest.runtime import distributed
+from harvest.train.checkpoint import Checkpoints
+from harvest.train.runlog import SigtermFlag
+
+
+def run_steps(step: int, steps: int, advance: Callable[[int], None], save: Callable[[int], None], *,
+              checkpoints: Checkpoints, every: int, saved_at: int | None, name: str) -> int:
+    """From `step` to `steps`: `advance(n)` runs (and logs) the step that ends at n; `save(n)` checkpoints step
+    n, every `every` steps, at `steps`, and at once when any process got SIGTERM (the loop then stops short).
+    A starting point no checkpoint holds (`saved_at` differs, e.g. --steps 0) is saved too. Then the saves are
+    waited for and every process meets at the barrier `name`. Returns the step reached."""
+    with SigtermFlag() as sigterm, distributed.peers_watched():
+        while step < steps:
+            step += 1
+            advance(step)
+            sigterm.hold(step)
+            preempted = distributed.any_true(sigterm.raised)
+            if preempted or step % every == 0 or step == steps:
+                save(step)
+                saved_at = step
+            if preempted:
+                break
+        if saved_at != step:
+            save(step)
+        checkpoints.wait()
+        checkpoints.close()
+        distributed.barrier(name)
+    return step
