@@ -1,76 +1,88 @@
 """Host-side benchmark: how fast the host absorbs captures, and how fast the feeder makes rows. No model.
 
-1. Host pipeline. Synthetic bf16 captures [layers, batch, seq, width] (made once on the CPU device, reused)
-   and each batch's piece moments (the device's share of the stats, harvest.model.moments, computed before
-   the clock starts) go through the job's own host stage as fast as it takes them: extract.pipeline.to_shards
-   (captures to numpy, rows cut into shards by ShardWriter) and the Committer's threads (stats merged from
-   the moments, safetensors encoding, sha256, writes to a local temp dir). Prints GB/s of captures absorbed,
-   and per core. Then each stage alone, single-threaded, on the same data: GB/s each; the slowest one is what
-   limits the pipeline per core.
-2. Feeder. jsonl text -> render -> tokenize -> pack (the job's data.batching), with a byte-level BPE of
-   ~150k tokens like Qwen2.5's, trained here on generated text: tokens/s.
+1. Host stage. Synthetic bf16 captures [layers, batch, seq, width] (one device array, reused by every batch)
+   and each batch's piece moments (the device's share of the stats, harvest.model.moments, made before the
+   clock starts) go through the job's own host stage: extract.pipeline.to_shards (device->host arrays, rows
+   cut into shards by ShardWriter) and the Committer (stats merged from the moments, safetensors encoding,
+   checksums, writes with fsync to local disk, sidecars). Then each part alone on the same shards, one
+   thread: cutting, stats, encoding, the checksums, writing; and the Committer alone (its own threads).
+2. The floor: the work no host stage can skip, one checksum pass and one write (+ fsync) of every byte,
+   measured here in the same run on the same shards (a thread per core hashing, one per core writing). The
+   host stage's ratio to it is the figure of merit (the issue's target: >= 60% on 1 core and on 2).
+3. Feeder: jsonl text -> render -> tokenize -> pack (the job's data.batching), with a byte-level BPE of
+   ~150k tokens like Qwen2.5's, trained here on generated text: tokens/s, and per core.
 
-Run:  .venv/bin/python bench/host.py           (~2-3 minutes on 2 CPU cores)
-      .venv/bin/python bench/host.py --help    (widths, layers, batches, vocabulary)
+`--cores N` pins the whole process (its threads, numpy's, the tokenizer's) to N cores.
+
+Run:  .venv/bin/python bench/host.py --cores 1      (~1-2 minutes on 2 CPU cores)
+      .venv/bin/python bench/host.py --help         (widths, layers, batches, vocabulary, where to write)
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import hashlib
 import json
 import os
 import queue
 import sys
 import tempfile
+import threading
 import time
+import zlib
 from pathlib import Path
-
-import jax
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/table.py
-import jax.numpy as jnp
-from table import show
-
-from harvest.config import parse_size
-from harvest.data import prompts, streams
-from harvest.data.batching import Piece, StreamEnd, pack_stream, stream_pieces
-from harvest.extract import pipeline
-from harvest.extract.report import Progress
-from harvest.extract.shards import ShardWriter
-from harvest.model import moments, parse_points
-from harvest.model.moments import piece_moments
-from harvest.store import format as fmt
-from harvest.store.commit import Committer, ResumePoint
-from harvest.storage import Storage
-
-SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cores", type=int, default=None,
+                   help="pin the process to this many cores (os.sched_setaffinity; default: all it may use)")
     p.add_argument("--width", type=int, default=896, help="capture width (default 896, Qwen2.5-0.5B)")
     p.add_argument("--layers", type=int, default=8, help="captured layers (default 8)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per batch (default 8)")
     p.add_argument("--seq", type=int, default=2048, help="row length (default 2048)")
-    p.add_argument("--batches", type=int, default=12, help="batches fed to the host pipeline (default 12)")
+    p.add_argument("--batches", type=int, default=12, help="batches fed to the host stage (default 12)")
     p.add_argument("--shard-size", default="256MB", help="shard size (default 256MB)")
-    p.add_argument("--slots", type=int, default=moments.SLOTS,
-                   help=f"pieces per row with device moments, as the job (default {moments.SLOTS})")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of the host stage, the Committer and each floor, the best kept (default 3): a machine "
+                        "shared with other work slows some runs, never speeds one up")
     p.add_argument("--keep", action="store_true",
-                   help="keep every shard where it was written (default: delete each once committed, so that RAM "
-                        "used as the storage recycles its pages as a page cache does; kept, a VM's first touch of "
-                        "fresh memory is timed too)")
+                   help="keep every shard written (default: delete each once committed, so that the page cache "
+                        "recycles its pages as on a long run whose shards went to disk long ago)")
     p.add_argument("--vocab", type=int, default=150_000, help="BPE vocabulary to train (default 150000)")
     p.add_argument("--feeder-mb", type=float, default=20, help="MB of text through the feeder (default 20)")
     p.add_argument("--out", default=None,
-                   help="directory the shards go to (default: a temp dir in /dev/shm, RAM, so the table measures "
-                        "the host's own work; the local disk's raw write rate is printed beside it)")
+                   help="directory the shards go to (default: a temp dir on the local disk, $TMPDIR or /tmp)")
     return p.parse_args()
 
 
-# --- 1. host pipeline ----------------------------------------------------------------------------------------
+ARGS = parse_args()
+if ARGS.cores:  # before jax, numpy or the tokenizer start their threads: they all inherit it
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/table.py
+from table import show  # noqa: E402
+
+from harvest.config import parse_size  # noqa: E402
+from harvest.data import prompts, streams  # noqa: E402
+from harvest.data.batching import Piece, StreamEnd, pack_stream, stream_pieces  # noqa: E402
+from harvest.extract import pipeline  # noqa: E402
+from harvest.extract.report import Progress  # noqa: E402
+from harvest.extract.shards import ShardWriter  # noqa: E402
+from harvest.model import moments, parse_points  # noqa: E402
+from harvest.model.moments import piece_moments  # noqa: E402
+from harvest.store import format as fmt  # noqa: E402
+from harvest.store.commit import Committer, ResumePoint  # noqa: E402
+from harvest.storage import Storage  # noqa: E402
+
+SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
+
+
+# --- 1. host stage -------------------------------------------------------------------------------------------
 
 class FakeDecoder:
     """What to_shards needs of a Decoder: the capture plan."""
@@ -79,115 +91,242 @@ class FakeDecoder:
         self.plan = plan
 
 
-def synthetic_rows(args, count: int) -> list:
-    """Packed rows of lognormal-length pieces (median 300 tokens), as the packer makes them."""
+class Collect:
+    """What to_shards needs of a Committer, keeping the closed shards (to time cutting alone)."""
+
+    def __init__(self):
+        self.shards = []
+
+    def submit(self, shard) -> None:
+        self.shards.append(shard)
+
+
+def synthetic_rows(args) -> list:
+    """One whole stream of lognormal-length pieces (median 300 tokens) packed as the job packs them, about
+    --batches x --batch-size rows, ending with its StreamEnd (so its shards form a complete commit chain)."""
     rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(np.log(300), 1.0, count * args.seq // 250), 50, args.seq).astype(int)
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 4 * args.batches * args.batch_size * args.seq // 300),
+                      50, args.seq).astype(int)
+    lengths = lengths[: np.searchsorted(np.cumsum(lengths), 0.97 * args.batches * args.batch_size * args.seq)]
     events = [Piece((i, 0), i, np.full(n, i % 1000, np.int32)) for i, n in enumerate(lengths)]
-    return list(pack_stream([*events, StreamEnd(len(events))], args.seq))[:count]
+    return list(pack_stream([*events, StreamEnd(len(events))], args.seq))
 
 
-def host_pipeline(args, root: Path) -> tuple[float, int]:
-    """Seconds and capture bytes of --batches batches through to_shards + Committer."""
-    plan = parse_points(f"resid_post:0-{args.layers - 1}", args.layers)
-    widths = {fmt.tensor_name(p, layer): args.width for p, layer in plan.keys()}
-    rows = synthetic_rows(args, args.batches * args.batch_size)
-    rows[-1].end = rows[-1].end or StreamEnd(rows[-1].block[-1].pos[0] + 1 if rows[-1].block else 0)
+def make_batches(args) -> tuple[list, dict, int]:
+    """The stream's rows as the job's batches (the last padded with empty rows), each with the same captures
+    and its own piece moments; the tensor widths; the real tokens' capture bytes."""
+    rows = synthetic_rows(args)
     captures = {"resid_post": jnp.asarray(np.random.default_rng(1).normal(
         size=(args.layers, args.batch_size, args.seq, args.width)).astype(np.float32)).astype(jnp.bfloat16)}
     batches = []
     for at in range(0, len(rows), args.batch_size):  # the device's share (each batch's piece moments), done here
         chunk = rows[at : at + args.batch_size]
-        batch = pipeline.Batch(np.stack([r.tokens for r in chunk]), np.stack([r.segments for r in chunk]),
-                               [(0, r) for r in chunk])
-        moments = {"resid_post": jax.block_until_ready(piece_moments(captures["resid_post"], batch.segments,
-                                                                     args.slots))}
-        batches.append((batch, captures, moments))
-    out = Storage(str(root / "host"))
-    dtype = np.dtype(fmt.DTYPES["bfloat16"])
-    writers = {0: ShardWriter(0, widths, dtype, parse_size(args.shard_size, "--shard-size"), ResumePoint())}
-    progress = Progress(out, {0: None}, {0: ResumePoint()}, worker="bench")
+        tokens = np.zeros((args.batch_size, args.seq), np.int32)
+        segments = np.zeros((args.batch_size, args.seq), np.int32)
+        tokens[: len(chunk)] = [r.tokens for r in chunk]
+        segments[: len(chunk)] = [r.segments for r in chunk]
+        batch = pipeline.Batch(tokens, segments, [(0, r) for r in chunk] + [None] * (args.batch_size - len(chunk)))
+        own = {"resid_post": jax.block_until_ready(piece_moments(captures["resid_post"], segments, args.slots))}
+        batches.append((batch, captures, own))
+    widths = {fmt.tensor_name("resid_post", layer): args.width for layer in range(args.layers)}
+    return batches, widths, sum(r.used for r in rows) * args.layers * args.width * 2
+
+
+def cut(args, batches, widths, committer) -> None:
+    """The job's to_shards over every batch (on this thread), closed shards to `committer`."""
+    plan = parse_points(f"resid_post:0-{args.layers - 1}", args.layers)
+    writers = {0: ShardWriter(0, widths, np.dtype(fmt.DTYPES["bfloat16"]), parse_size(args.shard_size, "--shard-size"),
+                              ResumePoint())}
+    captured: queue.Queue = queue.Queue()
+    for item in [*batches, None]:
+        captured.put(item)
+    pipeline.to_shards(captured, FakeDecoder(plan), writers, committer, Progress(None, {0: None}, {0: ResumePoint()},
+                                                                                 worker="bench"))
+
+
+def committer_for(args, directory: Path, progress: Progress | None = None) -> Committer:
+    out = Storage(str(directory))
 
     def committed(manifest):
-        progress.committed(manifest)
-        if not args.keep:  # as a page cache reuses its pages once they are on disk
+        if progress is not None:
+            progress.committed(manifest)
+        if not args.keep:  # as the page cache reuses its pages once a long run's old shards are on disk
             out.delete(f"{fmt.stream_dir(manifest.stream)}/{manifest.file}")
 
-    committer = Committer(out, on_commit=committed, attempt="0123456789abcdef")
-    captured: queue.Queue = queue.Queue(maxsize=pipeline.QUEUE_DEPTH)
+    return Committer(out, on_commit=committed, attempt="0123456789abcdef")
+
+
+def whole_stage(args, batches, widths, directory: Path) -> float:
+    """Seconds of the job's host stage: to_shards on its own thread feeding the Committer, until all is committed."""
+    progress = Progress(Storage(str(directory)), {0: None}, {0: ResumePoint()}, worker="bench")
+    committer = committer_for(args, directory, progress)
     failure: list[BaseException] = []
-    t0 = time.perf_counter()
-    host = pipeline.Stage(lambda: pipeline.to_shards(captured, FakeDecoder(plan), writers, committer, progress), failure)
-    for item in batches:
+    captured: queue.Queue = queue.Queue(maxsize=pipeline.QUEUE_DEPTH)
+    plan = parse_points(f"resid_post:0-{args.layers - 1}", args.layers)
+    writers = {0: ShardWriter(0, widths, np.dtype(fmt.DTYPES["bfloat16"]), parse_size(args.shard_size, "--shard-size"),
+                              ResumePoint())}
+    t = time.perf_counter()
+    host = pipeline.Stage(lambda: pipeline.to_shards(captured, FakeDecoder(plan), writers, committer, progress),
+                          failure)
+    for item in [*batches, None]:
         pipeline.put(captured, item, failure)
-    pipeline.put(captured, None, failure)
     host.join(failure)
     committer.close()
-    seconds = time.perf_counter() - t0
-    return seconds, sum(r.used for r in rows) * args.layers * args.width * 2
+    return time.perf_counter() - t
 
 
-ASIDE = "not the job's: "  # a stage timed for comparison only, left out of what limits the pipeline
+def write_file(path: Path, parts: list) -> None:
+    """One write of every byte and an fsync (what the floor counts; the job's local backend does the same)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def stage_rates(args, root: Path) -> dict[str, float]:
-    """GB/s of each host stage alone, single-threaded, on one shard's worth of captures (pieces of 256 tokens)."""
-    rng = np.random.default_rng(2)
-    tokens = 64 * 1024
-    names = [f"resid_post.{layer}" for layer in range(args.layers)]
-    block = rng.normal(size=(args.layers, tokens, args.width)).astype(np.float32)
-    block_bf16 = block.astype(fmt.DTYPES["bfloat16"])
-    nbytes = block_bf16.nbytes
-    lengths = np.full(tokens // 256, 256, np.int64)
-    rates: dict[str, float] = {}
+def floor(shards_parts: list, directory: Path, hasher, threads: int) -> float:
+    """Seconds to checksum (one pass) and write (+ fsync) every shard's bytes as a plain program would: `threads`
+    threads hashing shards and `threads` writing the hashed ones, so that hashing goes on while a write waits on
+    the disk (as the Committer's threads do)."""
+    todo: queue.Queue = queue.Queue()
+    hashed: queue.Queue = queue.Queue()
+    for k, parts in enumerate(shards_parts):
+        todo.put((k, parts))
 
-    def timed(name, fn):
-        fn()  # warm
+    def hash_all():
+        while True:
+            try:
+                k, parts = todo.get_nowait()
+            except queue.Empty:
+                return
+            digest = hasher()
+            for part in parts:
+                digest.update(part)
+            hashed.put((k, parts))
+
+    def write_all():
+        while (item := hashed.get()) is not None:
+            path = directory / f"floor_{item[0]}.bin"
+            write_file(path, item[1])
+            if not ARGS.keep:
+                path.unlink()
+
+    t = time.perf_counter()
+    hashers = [threading.Thread(target=hash_all) for _ in range(threads)]
+    writers = [threading.Thread(target=write_all) for _ in range(threads)]
+    for w in hashers + writers:
+        w.start()
+    for w in hashers:
+        w.join()
+    for _ in writers:
+        hashed.put(None)
+    for w in writers:
+        w.join()
+    return time.perf_counter() - t
+
+
+def checksums() -> dict:
+    """The checksums a shard could carry: the job's (sha256), and faster ones for comparison."""
+    out = {"sha256": hashlib.sha256}
+
+    class Crc32:  # zlib's crc32 (a different polynomial from crc32c, about as fast in software)
+        def __init__(self):
+            self.value = 0
+
+        def update(self, data):
+            self.value = zlib.crc32(data, self.value)
+
+    out["crc32 (zlib)"] = Crc32
+    try:
+        import xxhash
+        out["xxh3_128"] = xxhash.xxh3_128
+    except ImportError:
+        pass
+    try:
+        import blake3
+        out["blake3"] = blake3.blake3
+    except ImportError:
+        pass
+    return out
+
+
+def stages(args, shards, directory: Path, nbytes: int) -> list[tuple[str, float]]:
+    """GB/s of each part of the host stage alone, one thread, over every shard."""
+    rates = []
+
+    def timed(name, fn, items):
         t = time.perf_counter()
-        result = fn()
-        rates[name] = nbytes / (time.perf_counter() - t) / 1e9
-        return result
+        out = [fn(item) for item in items]
+        rates.append((name, nbytes / (time.perf_counter() - t) / 1e9))
+        return out
 
-    timed(ASIDE + "cast fp32 -> bf16 on the host (the job casts on device)", lambda: block.astype(fmt.DTYPES["bfloat16"]))
-    tensors = {n: [block_bf16[j, a : a + 256] for a in range(0, tokens, 256)] for j, n in enumerate(names)}  # pieces
-    # The device's share: each 256-token piece's mean and M2 (as rows of one piece each).
-    mean, m2 = (np.asarray(a)[:, :, 0] for a in piece_moments(
-        jnp.asarray(block_bf16.reshape(args.layers, -1, 256, args.width)), jnp.ones((len(lengths), 256), jnp.int32), 1))
-    timed("stats: the pieces' device moments merged (fp64)",
-          lambda: [fmt.RunningStats.of_pieces(v, list(mean[j]), list(m2[j])) for j, v in enumerate(tensors.values())])
-    timed(ASIDE + "exact fp64 stats on the host (only a piece past its row's moment slots)",
-          lambda: [fmt.RunningStats.of(block_bf16[j]) for j in range(args.layers)])
-    parts = timed("safetensors header + parts (the pieces stay where they were captured)",
-                  lambda: fmt.shard_parts(tensors, np.zeros(tokens, np.int32), lengths, np.arange(len(lengths)),
-                                          np.zeros(len(lengths), np.int32), {"stream": "0", "shard": "0"}))
-    timed("sha256", lambda: fmt.sha256(parts))
-    storage = Storage(str(root / "stages"))
-    files = itertools.count()  # a new file each time, as the job writes
-    written: list[str] = []
+    timed("stats: pieces' device moments merged (fp64)",
+          lambda s: [fmt.RunningStats.of_pieces(b, *s.moments[n]) for n, b in s.tensors.items()], shards)
+    parts = timed("encoding: safetensors header + parts", lambda s: fmt.shard_parts(
+        s.tensors, s.tokens, s.lengths, s.sample_ids, s.variants, {"stream": "0", "shard": str(s.shard)}), shards)
+    timed("checksums: sha256 of the file and of each tensor (the job's)",
+          lambda p: (fmt.sha256(p), [fmt.sha256(b) for b in fmt.tensor_parts(p).values()]), parts)
+    storage = Storage(str(directory))
 
-    def write():
-        if written and not args.keep:  # the previous one is deleted first, its pages reused (see --keep)
-            storage.delete(written.pop())
-        written.append(f"shard_{next(files)}.safetensors")
-        storage.write_bytes(written[-1], parts)
+    def write(p):
+        rel = f"alone/shard_{id(p)}.safetensors"
+        storage.write_bytes(rel, p)
+        if not args.keep:
+            storage.delete(rel)
 
-    timed("write (atomic: temp file, fsync, rename)", write)
+    timed("writing: atomic (temp file, fsync, rename)", write, parts)
     return rates
 
 
-def disk_rate(directory: Path, nbytes: int = 2**30) -> float:
-    """GB/s of a raw sequential write with fsync to `directory` (what `dd conv=fsync` reports): the disk's bound."""
-    block = np.random.default_rng(4).integers(0, 255, 16 * 2**20, dtype=np.uint8)
-    path = directory / "disk-rate.bin"
+def host(args, directory: Path) -> tuple[list, str, int]:
+    batches, widths, nbytes = make_batches(args)
+    cores = len(os.sched_getaffinity(0))
+    whole_stage(args, batches[:2], widths, directory / "warm")  # first touches, imports, thread pools
+    seconds = min(whole_stage(args, batches, widths, directory / f"whole{r}") for r in range(args.repeats))
+    print(f"  whole stage {seconds:.1f} s", flush=True)
+    collect = Collect()
     t = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(nbytes // block.nbytes):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - t
-    path.unlink()
-    return nbytes / seconds / 1e9
+    cut(args, batches, widths, collect)
+    cut_rate = nbytes / (time.perf_counter() - t) / 1e9
+    shards = list(collect.shards)
+
+    def committer_alone(r: int) -> float:
+        committer = committer_for(args, directory / f"committer{r}")
+        t = time.perf_counter()
+        for shard in shards:
+            committer.submit(shard)
+        committer.close()
+        return time.perf_counter() - t
+
+    committer_rate = nbytes / min(committer_alone(r) for r in range(args.repeats)) / 1e9
+    alone = stages(args, list(shards), directory, nbytes)
+    parts = [fmt.shard_parts(s.tensors, s.tokens, s.lengths, s.sample_ids, s.variants, {"stream": "0"})
+             for s in shards]
+    floors = {name: nbytes / min(floor(parts, directory, hasher, cores) for _ in range(args.repeats)) / 1e9
+              for name, hasher in checksums().items()}
+    write_only = nbytes / min(floor(parts, directory, lambda: _NoHash(), cores) for _ in range(args.repeats)) / 1e9
+    stage = nbytes / seconds / 1e9
+    gb = f"{nbytes / 1e9:.2f} GB"
+    rows = [[f"host stage (to_shards + Committer, {len(shards)} shards)", gb, f"{seconds:.2f}", f"{stage:.2f}",
+             f"{stage / cores:.2f}", f"{stage / floors['sha256']:.0%}"]]
+    rows.append(["  alone: cutting shards (to_shards, ShardWriter)", "", "", f"{cut_rate:.2f}", "", ""])
+    rows += [[f"  alone: {name}", "", "", f"{rate:.2f}", "", ""] for name, rate in alone]
+    rows.append(["  alone: the Committer (stats, encoding, checksums, writes; its threads)", "", "",
+                 f"{committer_rate:.2f}", f"{committer_rate / cores:.2f}", f"{committer_rate / floors['sha256']:.0%}"])
+    rows += [[f"floor: one {name} pass + one write (+fsync) of every byte", "", "", f"{rate:.2f}",
+              f"{rate / cores:.2f}", "100%" if name == "sha256" else ""] for name, rate in floors.items()]
+    rows.append(["floor: write (+fsync) only, no checksum", "", "", f"{write_only:.2f}", f"{write_only / cores:.2f}",
+                 ""])
+    return rows, f"{len(shards)} shards", nbytes
+
+
+class _NoHash:
+    def update(self, data) -> None:
+        pass
 
 
 # --- 2. feeder -----------------------------------------------------------------------------------------------
@@ -241,43 +380,35 @@ def feeder(texts: list[str], checkpoint: Path, root: Path, seq: int) -> tuple[fl
 
 
 def main() -> None:
-    args = parse_args()
+    args = ARGS
+    args.slots = moments.SLOTS
     load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    ram = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="harvest-host-", dir=args.out or ram) as tmp, \
-            tempfile.TemporaryDirectory(prefix="harvest-host-disk-") as on_disk:
+    cores = len(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="harvest-host-", dir=args.out) as tmp:
         root = Path(tmp)
-        print("host pipeline ...", flush=True)
-        seconds, nbytes = host_pipeline(args, root)
-        rates = stage_rates(args, root)
-        disk = disk_rate(Path(on_disk))
+        print(f"host stage on {cores} core(s), writing to {root} ...", flush=True)
+        rows, shards, nbytes = host(args, root)
         print("training the BPE ...", flush=True)
         texts = corpus(args.feeder_mb)
         checkpoint, vocab, train_s = train_tokenizer(texts, args.vocab, root / "tokenizer")
         print("feeder ...", flush=True)
         feed_s, feed_tokens = feeder(texts, checkpoint, root, args.seq)
-    limit = min((name for name in rates if not name.startswith(ASIDE)), key=rates.get)
-    rows = [["host pipeline (to_shards + committer threads)", f"{nbytes / 1e9:.2f} GB", f"{seconds:.1f}",
-             f"{nbytes / seconds / 1e9:.2f} GB/s", f"{nbytes / seconds / 1e9 / cores:.2f} GB/s"]]
-    rows += [[f"  stage alone: {name}" + ("  <- limits" if name == limit else ""), "", "", f"{rate:.2f} GB/s", ""]
-             for name, rate in rates.items()]
-    rows.append([f"local disk ({on_disk}): raw sequential write + fsync, the storage bound", "1.07 GB", "",
-                 f"{disk:.2f} GB/s", ""])
-    rows.append([f"feeder: read, render, tokenize (BPE {vocab:,}), pack", f"{feed_tokens:,} tokens", f"{feed_s:.1f}",
-                 f"{feed_tokens / feed_s:,.0f} tokens/s", f"{feed_tokens / feed_s / cores:,.0f} tokens/s"])
-    footer = (f"captures: bf16, {args.layers} layers x width {args.width}, {args.batch_size} rows x {args.seq} per "
-              f"batch, {args.batches} batches, lognormal pieces packed as the job packs them; shard size "
-              f"{args.shard_size}; shards written to {root.parent}"
-              f"{', each deleted once committed (--keep: kept)' if not args.keep else ', all kept'}; each batch's piece "
-              f"moments ({args.slots} slots a row) made on the CPU device before the clock starts. GB/s count the real "
-              f"tokens' capture bytes. Stages alone: "
-              f"one thread on {args.layers} x 65,536 tokens. Feeder: {len(texts):,} generated jsonl texts, one "
-              f"thread; the BPE trained in {train_s:.0f} s. {cores} cores; load average {load:.1f} before, "
-              f"{os.getloadavg()[0]:.1f} after (other work on the machine lowers every rate).")
+    rows.append([f"feeder: read, render, tokenize (BPE {vocab:,}), pack (tokens/s)", f"{feed_tokens:,} tokens",
+                 f"{feed_s:.1f}", f"{feed_tokens / feed_s:,.0f}", f"{feed_tokens / feed_s / cores:,.0f}", ""])
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    footer = (f"GB/s of the real tokens' capture bytes (bf16, {args.layers} layers x width {args.width}, "
+              f"{args.batch_size} rows x {args.seq} a batch, {args.batches} batches of "
+              f"lognormal pieces packed as the job packs them; shard size {args.shard_size}, {shards}), written to "
+              f"{Path(tmp).parent}{' and kept' if args.keep else ', each file deleted once written'}. 'vs floor': "
+              f"the rate over the sha256 floor measured in this run. Best of {args.repeats} runs (host stage, "
+              f"Committer, floors); parts alone: one run, one thread. Feeder: "
+              f"{len(texts):,} generated jsonl texts; the BPE trained in {train_s:.0f} s. {cores} core(s) "
+              f"({model}); load average {load:.1f} before, {os.getloadavg()[0]:.1f} after (other work on the "
+              f"machine lowers every rate).")
     if not sys.stdout.isatty():
-        os.environ.setdefault("COLUMNS", "140")
-    show("harvest host side (no model)", ["what", "amount", "seconds", "rate", "per core"], rows, footer)
+        os.environ.setdefault("COLUMNS", "150")
+    show("harvest host side (no model)", ["what", "amount", "seconds", "GB/s", "per core", "vs floor"], rows, footer)
 
 
 if __name__ == "__main__":

@@ -201,8 +201,9 @@ class Committer:
         self.storage = storage
         self.attempt = attempt
         # A shard's stats (per tensor) and checksums run here, beside its data write: one stream's shards
-        # use every core, not one (numpy and hashlib let go of the GIL).
-        self._work = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+        # use every core this process may run on (its affinity, as a container or taskset limits it), not one
+        # (numpy and hashlib let go of the GIL).
+        self._work = concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)),
                                                            thread_name_prefix="commit-work")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
