@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest.model.attention import resolve
 from harvest.model.blocks import block_pairs
 from harvest.model.config import ModelConfig
 from harvest.model.points import parse_points

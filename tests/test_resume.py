@@ -11,9 +11,7 @@ Everything runs the real CLI in subprocesses on the tiny embedded demo checkpoin
 from __future__ import annotations
 
 import json
-import os
 import random
-import signal
 import shutil
 import subprocess
 import types

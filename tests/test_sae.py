@@ -15,12 +15,11 @@ import os
 import random
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_helpers import harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import harvest_cmd, run_harvest, text_streams
 from test_distributed import free_port
 from test_train import read_until, run_processes, two_process_env
 

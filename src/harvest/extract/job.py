@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import re
 import socket
 import time
 from typing import Any, Iterator
@@ -114,7 +113,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                 distributed.barrier("harvest-overwrite")
             for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
                 out.remove_stale_temps(fmt.stream_dir(stream))
-            if jax.process_index() == 0 and not out.create_exclusive("run.json", run_info.to_bytes()):
+            if jax.process_index() == 0 and not out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes()):
                 check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
             decoder = load_decoder(checkpoint, cfg.points, mesh, **decoding)
@@ -161,8 +160,8 @@ def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
 
 def _streams_beyond(out: Storage, num_streams: int) -> list[int]:
     """The run's streams numbered `num_streams` and up (its directories)."""
-    found = (re.fullmatch(r"stream_(\d{5})", name) for name in out.listdir())
-    return sorted(n for m in found if m and (n := int(m.group(1))) >= num_streams)
+    found = (fmt.dir_stream(name) for name in out.listdir())
+    return sorted(n for n in found if n is not None and n >= num_streams)
 
 
 def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: Leases, run_json: bool) -> None:
@@ -173,7 +172,7 @@ def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: 
         wipe(out, stream, leases.confirm, keep={LEASE}, whole=True)
         leases.forget(stream)
     if run_json:
-        out.delete("run.json")
+        out.delete(fmt.RUN_JSON)
 
 
 def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],

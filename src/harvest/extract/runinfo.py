@@ -79,10 +79,10 @@ def agreed(info: RunInfo) -> dict[str, Any]:
 def check_run(out: Storage, info: RunInfo, *, partial_overwrite: bool = False) -> None:
     """Refuse to add to a run made with other settings, showing the difference (`partial_overwrite`: the
     command replaces some of the run's streams, whose others stay as run.json describes them)."""
-    if not out.exists("run.json"):
+    if not out.exists(fmt.RUN_JSON):
         return
     try:
-        existing = RunInfo.from_bytes(out.read_bytes("run.json"))
+        existing = RunInfo.from_bytes(out.read_bytes(fmt.RUN_JSON))
     except ValueError as e:
         raise RunMismatch(f"{out.url}/run.json: not a harvest run.json ({e}); use another --out") from None
     old, new = agreed(existing), agreed(info)

@@ -43,7 +43,7 @@ from harvest.store.records import LeaseRecord, now_iso
 
 log = logging.getLogger(__name__)
 
-LEASE = "lease.json"
+LEASE = fmt.LEASE
 MAX_POLL_S = 2.0  # a watched lease is read at least this often (more often for short TTLs)
 
 
