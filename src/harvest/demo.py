@@ -208,7 +208,7 @@ def run_demo(args) -> int:
     train = ["sae", "train", "--run", ",".join(runs.values()), "--tensors", tensor, "--out", sae_out, "--expansion",
              "8", "--k", "32", "--batch-tokens", "1024", "--tokens", str(1024 * args.sae_steps), "--warmup",
              str(args.sae_steps // 10), "--lr", "0.001", "--holdout-streams", "1", "--log-every",
-             str(max(args.sae_steps // 4, 1))]
+             str(max(args.sae_steps // 4, 1)), "--skip-first", "1"]  # each sample's first token: an attention sink
     console.print(f"[bold]6. sae train[/] harvest {' '.join(train)}")
     if _harvest(train).returncode:
         return 1
@@ -227,8 +227,10 @@ def run_demo(args) -> int:
                   f"{tensor} zeroed {ce['ce_zero']:.3f})")
     saelens = export(sae_out, str(out / "saelens"), "saelens")["dirs"][0]
     console.print(f"[bold]8. read it[/]  FVU: the share of the activations' variance the SAE misses (0 is perfect); "
-                  "L0: latents active per token;\n            CE loss recovered: 1 = the model's loss with the SAE's "
-                  "reconstruction spliced in equals the clean loss, 0 = as bad as zeroing the layer.\n"
+                  "L0: latents active per token;\n            each sample's first token (an attention sink, ~100x "
+                  "the norm of the rest) is left out of training and eval (--skip-first 1);\n            CE loss "
+                  "recovered: 1 = the model's loss with the SAE's reconstruction spliced in equals the clean loss, "
+                  "0 = as bad as zeroing the layer.\n"
                   "            Activations: python -c \"import harvest; r = harvest.open('"
                   f"{runs['text']}'); print(r.tensors)\"\n            SAELens: python -c \"from sae_lens import SAE; "
                   f"sae = SAE.load_from_disk('{saelens}')\"  (harvest sae export {sae_out} --format saelens "
