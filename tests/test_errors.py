@@ -78,6 +78,11 @@ def test_v4_and_v5_dialects_parse_to_the_same_config(tmp_path):
         ("resid_post:2-1", "runs backwards"),
         ("3", "has no point"),
         ("resid_post:1,,mlp_out:2", "empty item"),
+        # TransformerLens hook names: refused where harvest has no such point, naming the hooks it has
+        ("blocks.0.attn.hook_z", "no TransformerLens hook 'blocks.0.attn.hook_z'; it has blocks.N.hook_resid_pre"),
+        ("resid_post:1,hook_embed", "no TransformerLens hook 'hook_embed'"),
+        ("blocks.5.hook_resid_post", "layer 5 does not exist; the model has layers 0-2"),
+        ("blocks.1.hook_resid_post,2", "'2' has no point"),
     ],
 )
 def test_bad_points_spec(spec, expected):

@@ -30,19 +30,6 @@ def test_tl_names_and_harvest_spec_mix_to_one_plan():
     assert tl == ours
 
 
-@pytest.mark.parametrize("spec,words", [
-    ("blocks.0.attn.hook_z", "no TransformerLens hook 'blocks.0.attn.hook_z'; it has blocks.N.hook_resid_pre"),
-    ("resid_post:1,hook_embed", "no TransformerLens hook 'hook_embed'"),
-    ("blocks.5.hook_resid_post", "layer 5 does not exist; the model has layers 0-2"),
-    ("blocks.1.hook_resid_post,2", "'2' has no point"),
-])
-def test_a_hook_harvest_lacks_is_one_line_naming_what_it_has(spec, words):
-    with pytest.raises(UserError) as e:
-        parse_points(spec, num_layers=3)
-    message = str(e.value)
-    assert "\n" not in message and words in message
-
-
 def test_an_extraction_named_in_tl_hooks_writes_the_same_run(tmp_path):
     from harvest.config import ExtractConfig
     from harvest.extract.job import run_extract

@@ -202,32 +202,27 @@ def render(status: FleetStatus) -> list[RenderableType]:
 
 def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
          console: Console | None = None, now: datetime | None = None) -> int:
-    """Print the status (live with `watch`, until every stream is done); 1 when a stream is stale."""
+    """Print the status (live with `watch`, until every stream is done, or the training job ends); 1 when a
+    stream or the trainer is stale."""
     console = console or Console()
     if plan.training is not None:
-        return _show_training(plan, jobs, watch, interval, console)
-    status = fleet_status(plan, jobs, now=now)
+        read, draw = (lambda: training_status(plan, jobs)), render_training
+    else:
+        read, draw = (lambda: fleet_status(plan, jobs, now=now)), render
+    status = read()
     if not watch:
-        for renderable in render(status):
+        for renderable in draw(status):
             console.print(renderable)
         return 1 if status.stale else 0
     try:
-        with Live(Renderables(*render(status)), console=console, refresh_per_second=1) as live:
+        with Live(Renderables(*draw(status)), console=console, refresh_per_second=1) as live:
             while not status.finished:
                 time.sleep(interval)
-                status = fleet_status(plan, jobs)
-                live.update(Renderables(*render(status)))
+                status = read()
+                live.update(Renderables(*draw(status)))
     except KeyboardInterrupt:
         pass
     return 1 if status.stale else 0
-
-
-def _show_training(plan: Plan, jobs: Jobs, watch: bool, interval: float, console: Console) -> int:
-    status = training_status(plan, jobs)
-    if not watch:
-        for renderable in render_training(status):
-            console.print(renderable)
-        return 1 if status.stale else 0
     try:
         with Live(Renderables(*render_training(status)), console=console, refresh_per_second=1) as live:
             while not status.finished:
