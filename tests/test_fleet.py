@@ -175,15 +175,9 @@ def test_multi_node_gpu_group_derives_process_flags_from_skypilot_env(tmp_path, 
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", {**fleet, "data": streams32})))
     task = task_config(plan.workers[0], plan.spec)
     assert task["num_nodes"] == 2 and task["resources"]["accelerators"] == "H100:8"
-    shim = tmp_path / "bin" / "harvest"
-    shim.parent.mkdir()
-    shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    shim.chmod(0o755)
     for rank in (0, 1):
-        env = {"PATH": f"{shim.parent}:/usr/bin:/bin", "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.9\n",
-               "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "2"}
-        done = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, check=True)
-        args = build_parser().parse_args(json.loads(done.stdout))
+        env = {"SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.9\n", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "2"}
+        args = build_parser().parse_args(_run_as_host(task, "harvest", tmp_path, env))
         assert (args.coordinator, args.num_processes, args.process_id) == ("10.0.0.7:8476", 2, rank)
         assert args.streams == "0-31" and args.mesh == "data=2,model=8"
 
@@ -281,13 +275,7 @@ def test_image_command_forwards_the_environment_by_name_and_runs_under_an_init(t
     host = {**task["envs"], **secret_values, "AWS_ACCESS_KEY_ID": "AKIA", "GOOGLE_APPLICATION_CREDENTIALS": str(creds),
             "STORAGE_EMULATOR_HOST": "http://10.0.0.2:4443", "SKYPILOT_NODE_RANK": "0",
             "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.9", "SKYPILOT_NUM_NODES": "1", "TPU_WORKER_ID": "0"}
-    shim = tmp_path / "bin" / "docker"  # a `docker` that prints the arguments it got
-    shim.parent.mkdir()
-    shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    shim.chmod(0o755)
-    done = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin", **host},
-                          capture_output=True, text=True, check=True)
-    argv = json.loads(done.stdout)
+    argv = _run_as_host(task, "docker", tmp_path, host)
     assert argv[:3] == ["run", "--rm", "--init"]
     forwarded = [argv[i + 1] for i, a in enumerate(argv) if a == "--env"]
     for name in [*SKYPILOT_ENV, *RUNTIME_ENV, *CREDENTIAL_ENV, *task["envs"], "WANDB_API_KEY"]:
@@ -301,9 +289,7 @@ def test_image_command_forwards_the_environment_by_name_and_runs_under_an_init(t
     args = build_parser().parse_args(argv[image + 1:])  # the rest is harvest's own command line
     assert (args.command, args.streams, args.worker_id) == ("extract", "8", "arc-qwen05/us-west4-v5e/0")
     # With nothing set on the host, nothing is mounted and the command still parses.
-    bare = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin"},
-                          capture_output=True, text=True, check=True)
-    assert "--mount" not in json.loads(bare.stdout)
+    assert "--mount" not in _run_as_host(task, "docker", tmp_path, {})
 
 
 def test_shared_paths_allow_local_data_out_and_model_and_mount_them_in_the_container(tmp_path, streams32):
@@ -434,21 +420,26 @@ def puzzles_bucket(gcs_server) -> str:
     return f"gs://{bucket}"
 
 
+def _run_as_host(task: dict, command: str, tmp_path: Path, env: dict) -> list[str]:
+    """The task's run command on one host as SkyPilot runs it (`env`: its variables there), through a `command`
+    (harvest, docker) on PATH that prints the arguments it got; returns them."""
+    shim = tmp_path / "bin" / command
+    if not shim.exists():
+        shim.parent.mkdir(exist_ok=True)
+        shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+        shim.chmod(0o755)
+    done = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin", **env},
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
 def _per_host(task: dict, hosts: int, tmp_path: Path) -> list:
-    """The task's run command on each host as SkyPilot runs it (its env per rank), through a `harvest` on PATH
-    that prints its argv; each argv parsed by harvest's own CLI parser."""
-    shim = tmp_path / "bin" / "harvest"
-    shim.parent.mkdir(exist_ok=True)
-    shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    shim.chmod(0o755)
+    """The task's run command on each host as SkyPilot runs it (its env per rank), each harvest argv parsed by
+    harvest's own CLI parser."""
     ips = "".join(f"10.0.0.{i + 1}\n" for i in range(hosts))
-    parsed = []
-    for rank in range(hosts):
-        env = {"PATH": f"{shim.parent}:/usr/bin:/bin", "SKYPILOT_NODE_IPS": ips, "SKYPILOT_NODE_RANK": str(rank),
-               "SKYPILOT_NUM_NODES": str(hosts)}
-        done = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, check=True)
-        parsed.append(build_parser().parse_args(json.loads(done.stdout)))
-    return parsed
+    return [build_parser().parse_args(_run_as_host(task, "harvest", tmp_path, {
+        "SKYPILOT_NODE_IPS": ips, "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": str(hosts)}))
+        for rank in range(hosts)]
 
 
 def _training_fleets(puzzles_bucket: str) -> dict[str, dict]:
@@ -618,15 +609,9 @@ def test_a_training_job_in_an_image_on_a_tpu_slice_passes_each_hosts_rank_into_t
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
     task = task_config(plan.workers[0], plan.spec)
     assert task["setup"] == "docker pull registry.example/harvest:0.2.0" and task["run"].startswith("docker run ")
-    docker = tmp_path / "bin" / "docker"
-    docker.parent.mkdir()
-    docker.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    docker.chmod(0o755)
     for rank in (0, 7):
-        env = {"PATH": f"{docker.parent}:/usr/bin:/bin", "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n",
-               "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "8"}
-        done = subprocess.run(["bash", "-c", task["run"]], env=env, capture_output=True, text=True, check=True)
-        argv = json.loads(done.stdout)
+        env = {"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "8"}
+        argv = _run_as_host(task, "docker", tmp_path, env)
         harvest_args = argv[argv.index("registry.example/harvest:0.2.0") + 1:]
         args = build_parser().parse_args(harvest_args)
         assert (args.command, args.coordinator, args.num_processes, args.process_id) == \
