@@ -10,7 +10,10 @@ one table of what an engineer paying for the chip asks first.
   train     bench/train.py's rows: the forward-only loss and a train step (remat layer), per kernel.
   extract   whole processes, start-up included: `harvest extract` and the plain HF script (bench/hf_loop.py:
             bf16 and sdpa on a GPU) on the same random 0.5B-shaped checkpoint and texts, timed from start to
-            exit; harvest's own pipeline rate over the forward alone at the same capture points.
+            exit; harvest's own pipeline rate over the forward alone at the same capture points, its start-up
+            line, the chip's utilisation sampled during it (nvidia-smi, where there is one), and a second
+            harvest run capturing 8 layers: the GB/s the host absorbs when captures outrun it.
+  host      bench/host.py on this host (all its cores, then 2): the host stage's GB/s against the floor.
 
 Each stage runs in its own process (the chip's memory is freed between them), and every process the check
 starts (stages and each `harvest extract`) runs with Python's faulthandler on under a time limit: at the limit it
@@ -27,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +42,10 @@ HERE = Path(__file__).resolve().parent
 HEADER = ["stage", "case", "result", "detail"]
 ROW = "CHIP-ROW "  # a stage's stdout lines that carry a table row (JSON)
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}  # TF32 matmuls on a GPU give ~1e-3 in fp32
-# name: (limit in seconds on a chip, limit with --smoke)
-STAGES = {"parity": (120, 120), "forward": (110, 90), "train": (150, 90), "forward-7b": (100, 0),
-          "extract": (190, 150)}
+# name: (limit in seconds on a chip, limit with --smoke), in the order they run: what matters most first, so
+# that a check cut short by --budget still answers it
+STAGES = {"extract": (170, 150), "forward": (100, 90), "train": (100, 90), "host": (75, 0), "parity": (60, 120),
+          "forward-7b": (70, 0)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (CPU): the code paths, not speed")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated, of {', '.join(STAGES)} (default all)")
     p.add_argument("--logs", default=None, help="each process's log here (default: a temp dir, printed)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole check: a stage gets what is left if less than its limit, and one "
+                        "with under 20 s left is skipped (default: every stage its full limit)")
     p.add_argument("--stage", default=None, help=argparse.SUPPRESS)  # internal: run one stage in this process
     p.add_argument("--work", default=None, help=argparse.SUPPRESS)
     p.add_argument("--backend", default="cpu", help=argparse.SUPPRESS)  # jax's, found once by the parent
@@ -125,8 +133,8 @@ def stage_parity(args: argparse.Namespace, work: Path) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     n = model.config.num_hidden_layers
     points = f"resid_post:0-{n - 2},attn_out:0,mlp_out:{n - 1}"
-    cases = [("float32", "dense"), ("bfloat16", "auto")] if args.smoke else [
-        ("float32", "dense"), ("float32", "auto"), ("bfloat16", "auto")]
+    # dense matched HF on the first chip measured; the kernels are what changes
+    cases = [("float32", "dense"), ("bfloat16", "auto")] if args.smoke else [("float32", "auto"), ("bfloat16", "auto")]
     for dtype, kind in cases:
         out = work / f"parity-{dtype}-{kind}"
         cmd = harvest_command(model_dir, data, out, points, 1024, 4, "--attention", kind, "--dtype", "float32",
@@ -197,7 +205,7 @@ def stage_train(args: argparse.Namespace, work: Path) -> None:
     from harvest.model import default_compute_dtype
 
     preset, batch, seq = ("small", 2, 128) if args.smoke else ("0.5b", 16, 2048)
-    rows, _ = step_rows(preset, batch, seq, 300, "dense,auto", "layer", default_compute_dtype(), None,
+    rows, _ = step_rows(preset, batch, seq, 300, "dense,auto" if args.smoke else "auto,dense", "layer", default_compute_dtype(), None,
                         2 if args.smoke else 4)
     for kind, what, _, best, tokens, ratio, mfu in rows:
         emit(f"train {preset}", f"{batch}x{seq} {kind}, {what}", f"{tokens} tokens/s/chip, MFU {mfu}",
@@ -208,21 +216,28 @@ def stage_extract(args: argparse.Namespace, work: Path) -> None:
     from extract import build_model, harvest_command, hf_command, workload_texts, write_data
 
     on_chip = args.backend != "cpu"  # not jax.default_backend(): this process must leave the chip to harvest
-    model_dir = build_model(hf_model_args(args.smoke, small=False), work)
+    shape = hf_model_args(args.smoke, small=False)
+    model_dir = build_model(shape, work)
     texts = workload_texts("lognormal", 40 if args.smoke else 2000)
     data = write_data(texts, work / "e2e.jsonl")
     _, [(batch, seq)], points = forward_setup(args)
     layers = [int(x) for x in points.split(":")[1].split(",")]
+    wide_layers = list(range(0, shape.layers, max(1, shape.layers // 8)))[:8]
+    wide = f"resid_post:{','.join(map(str, wide_layers))}"
     dtype = "bfloat16" if on_chip else "float32"
     limit = 70 if args.smoke else 110
     runs = {}
     for name, cmd in (
             ("harvest extract --attention auto", harvest_command(model_dir, data, work / "e2e-harvest", points, seq,
                                                                  batch, "--attention", "auto", compute_dtype=dtype)),
+            (f"harvest extract, {len(wide_layers)} layers", harvest_command(model_dir, data, work / "e2e-wide", wide,
+                                                                            seq, batch, "--attention", "auto",
+                                                                            compute_dtype=dtype)),
             (f"HF script ({dtype}, sdpa)", hf_command(model_dir, data, work / "e2e-hf", layers, seq, batch,
                                                       dtype=dtype))):
-        log = work / f"e2e-{name.split()[0]}.log"
-        code, seconds = run_limited(cmd, limit, log)
+        log = work / f"e2e-{name.split()[0]}{'-wide' if name.endswith(' layers') else ''}.log"
+        with utilisation() as busy:
+            code, seconds = run_limited(cmd, limit, log)
         if code != "0":
             emit("extract", name, "FAILED", failure(code, limit, log))
             continue
@@ -233,14 +248,65 @@ def stage_extract(args: argparse.Namespace, work: Path) -> None:
         else:
             done = json.loads(text.strip().splitlines()[-1])
             tokens, pipeline = done["tokens"], done["tokens"] / done["pipeline"]
+        captured = len(wide_layers) if name.endswith(" layers") else len(layers)
+        gbps = pipeline * captured * shape.hidden * 2 / 1e9
+        chip_busy = f"; chip busy {busy[0]:.0f}% (mean of {busy[1]} samples)" if busy else ""
         runs[name] = seconds
         emit("extract", name, f"{seconds:.1f} s whole process", f"{tokens:,} tokens: {tokens / seconds:,.0f} "
-             f"tokens/s whole process, {pipeline:,.0f} after start-up; {points}, {batch}x{seq}")
-        if name.startswith("harvest"):
+             f"tokens/s whole process, {pipeline:,.0f} after start-up ({gbps:.2f} GB/s of captures){chip_busy}; "
+             f"{captured} layers, {batch}x{seq}")
+        started = re.search(r"^start-up: (.*)$", text, re.M)
+        if started:
+            emit("extract", f"{name.split(',')[0]} start-up", started.group(1).split("(")[0].strip(),
+                 started.group(1)[len(started.group(1).split("(")[0]):].strip())
+        if name == "harvest extract --attention auto":
             emit("extract", "harvest pipeline", f"{pipeline:,.0f} tokens/s", "over the forward alone: see below")
-    if len(runs) == 2:
-        harvest, hf = runs.values()
+    hf = next((seconds for name, seconds in runs.items() if name.startswith("HF")), None)
+    if hf and "harvest extract --attention auto" in runs:
+        harvest = runs["harvest extract --attention auto"]
         emit("extract", "harvest / HF script", f"{hf / harvest:.2f}x", "whole process, start-up included")
+
+
+@contextlib.contextmanager
+def utilisation():
+    """Samples the GPU's utilisation every 0.5 s while the block runs (nvidia-smi, where there is one): yields a
+    list that holds (mean %, samples) afterwards, or stays empty."""
+    found: list = []
+    if not shutil.which("nvidia-smi"):
+        yield found
+        return
+    with tempfile.TemporaryFile("w+") as out:
+        sampler = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                    "-lms", "500"], stdout=out, stderr=subprocess.DEVNULL)
+        try:
+            yield found
+        finally:
+            sampler.terminate()
+            sampler.wait()
+            out.seek(0)
+            samples = [float(x) for x in out.read().split() if x.replace(".", "").isdigit()]
+            if samples:
+                found[:] = [sum(samples) / len(samples), len(samples)]
+
+
+def stage_host(args: argparse.Namespace, work: Path) -> None:
+    """bench/host.py on all of this host's cores, then on 2 (this project's CI machine): its whole table goes to
+    the stage's log, the host stage's row to the check's table."""
+    cores = len(os.sched_getaffinity(0))
+    for n, limit in [(cores, 45)] + ([(2, 28)] if cores > 2 else []):
+        log = work / f"host-{n}.log"
+        cmd = [sys.executable, str(HERE / "host.py"), "--cores", str(n), "--repeats", "2", "--batches", "6",
+               "--feeder-mb", "5", "--vocab", "50000", "--out", str(work)]
+        code, seconds = run_limited(cmd, limit, log, env={"COLUMNS": "200"})
+        if code != "0":
+            emit("host", f"{n} cores", "FAILED", failure(code, limit, log))
+            continue
+        text = log.read_text(errors="replace")
+        print(text, flush=True)
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("│").split("│")]
+            if len(cells) == 6 and cells[0].startswith(("host stage", "floor", "feeder")):
+                emit("host", f"{n} cores: {cells[0]}", cells[3], f"per core {cells[4]}; vs floor {cells[5] or '-'}")
 
 
 def run_stage(args: argparse.Namespace) -> None:
@@ -249,7 +315,7 @@ def run_stage(args: argparse.Namespace) -> None:
         stage_forward(args, work, preset="7b")
     else:
         {"parity": stage_parity, "forward": stage_forward, "train": stage_train,
-         "extract": stage_extract}[args.stage](args, work)
+         "extract": stage_extract, "host": stage_host}[args.stage](args, work)
 
 
 # --- the check --------------------------------------------------------------------------------------------
@@ -263,11 +329,17 @@ def check(args: argparse.Namespace) -> list[list[str]]:
     # Which backend, asked of a child: a process that opens the chip holds it (a TPU) or most of its memory (a GPU).
     backend = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], text=True,
                              capture_output=True, timeout=120).stdout.strip() or "cpu"
+    started = time.perf_counter()
     for stage in args.stages:
         limit = STAGES[stage][1 if args.smoke else 0]
         if not limit:
             rows.append([stage, "-", "skipped", "not in --smoke"])
             continue
+        if args.budget:
+            limit = min(limit, args.budget - (time.perf_counter() - started))
+            if limit < 20:
+                rows.append([stage, "-", "skipped", f"under 20 s left of --budget {args.budget:.0f}"])
+                continue
         work = logs / stage
         work.mkdir(exist_ok=True)
         log = logs / f"{stage}.log"
