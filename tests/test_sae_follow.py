@@ -1,12 +1,13 @@
 """`harvest sae train --follow`: an SAE trained on a run while `harvest extract` writes it. The reader takes each
 shard once as it is committed, in rounds, resumes mid-round from its state, and waits for shards (and for
 run.json); the trainer, started before the extraction, ends its first epoch once every stream is complete
-having used every token of the final run exactly once, also when either process is SIGKILLed and rerun.
+having used every token of the final run exactly once, with both processes SIGKILLed and rerun on the way.
 What cannot be followed is refused in one line."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -107,12 +108,23 @@ def wait_for(what, timeout: float = 120, proc: subprocess.Popen | None = None) -
         time.sleep(0.05)
 
 
+def saved_while_waiting(log: Path, sae: Path) -> int | None:
+    """The last step the trainer logged, once it waits for shards with a checkpoint of that step."""
+    text = log.read_text()
+    steps = re.findall(r"^step (\d+)/", text, re.M)
+    waiting = "waiting for `harvest extract` to commit more" in text.rstrip().splitlines()[-1]
+    if steps and waiting and any(sae.glob(f"checkpoints/{steps[-1]}/*/process_00000.json")):
+        return int(steps[-1])
+    return None
+
+
 def assert_each_token_used_once(run: Path, sae: Path) -> None:
     """The rounds the SAE's reader recorded cover each shard of the complete run once, its first epoch served
     every token (less the special ones) once, and the trainer went on past that epoch."""
     final = open_run(str(run))
     rounds = [json.loads(p.read_text()) for p in sorted((sae / "follow" / "run_0" / "epoch_00000").glob("round_*"))]
-    assert [r["start"] for r in rounds[1:]] == [r["end"] for r in rounds[:-1]] and rounds[0]["start"] == {}
+    assert len(rounds) >= 2 and rounds[0]["start"] == {}
+    assert [r["start"] for r in rounds[1:]] == [r["end"] for r in rounds[:-1]]
     assert rounds[-1]["end"] == {str(s): len(final.shards_of(s)) for s in range(STREAMS)}
     assert sum(r["tokens"] for r in rounds) == final.num_tokens
     special = set(final.info.special_token_ids)
@@ -123,43 +135,30 @@ def assert_each_token_used_once(run: Path, sae: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sae_started_before_the_extraction_follows_it_to_the_end(setup, tmp_path):
-    """The trainer starts on a run that does not exist yet (it waits for run.json), then follows an extraction
-    whose commit of stream 0's shard 2 is held 6 s: it reads what is committed, waits, saying for what, and
-    uses every token of the final run once in its first epoch."""
-    run, sae = tmp_path / "run", tmp_path / "sae"
-    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], tmp_path / "sae.log")
-    wait_for(lambda: "no run.json yet" in (tmp_path / "sae.log").read_text(), proc=trainer)
-    held = {**setup["env"], "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:2:6"}
-    done = run_harvest(*extract_args(setup, run), env=held)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert trainer.wait(timeout=120) == 0, (tmp_path / "sae.log").read_text()[-3000:]
-    log = (tmp_path / "sae.log").read_text()
-    assert "waiting for `harvest extract` to commit more of stream" in log and "round 1 reads" in log, log[-3000:]
-    assert_each_token_used_once(run, sae)
-
-
-@pytest.mark.slow
-def test_killed_trainer_and_killed_extraction_rerun_use_each_token_once(setup, tmp_path):
-    """The extraction is SIGKILLed after a few commits and rerun (it resumes its streams); the trainer is
-    SIGKILLed while it follows and rerun (it resumes from its checkpoint, taking the rounds it recorded): the
-    first epoch still uses every token of the final run once."""
-    run, sae = tmp_path / "run", tmp_path / "sae"
+def test_sae_follows_an_extraction_through_kills_of_both_and_uses_each_token_once(setup, tmp_path):
+    """The trainer starts before the run exists (it waits for run.json); the extraction is SIGKILLed after a
+    few commits; the trainer reads what was committed, says what it waits for, saves the step it reached, and
+    is SIGKILLed; both are rerun (the extraction resumes its streams, the trainer that step and the rounds it
+    recorded) and run side by side to the end: the first epoch used every token of the final run once."""
+    run, sae, log = tmp_path / "run", tmp_path / "sae", tmp_path / "sae.log"
+    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], log)
+    wait_for(lambda: "no run.json yet" in log.read_text(), proc=trainer)
     extraction = start(harvest_cmd(*extract_args(setup, run)), setup["env"], tmp_path / "extract.log")
-    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], tmp_path / "sae.log")
     wait_for(lambda: count_sidecars(run) >= 4, proc=extraction)
     extraction.kill()
     extraction.wait()
     assert not is_complete(run, STREAMS)
-    wait_for(lambda: (sae / "checkpoints").exists() and "waiting for" in (tmp_path / "sae.log").read_text(),
-             proc=trainer)
+    wait_for(lambda: saved_while_waiting(log, sae), proc=trainer)
+    reached = saved_while_waiting(log, sae)
     trainer.kill()
     trainer.wait()
+    before = len(log.read_text())
     extraction = start(harvest_cmd(*extract_args(setup, run)), setup["env"], tmp_path / "extract.log")
-    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], tmp_path / "sae.log")
+    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], log)
     assert extraction.wait(timeout=120) == 0, (tmp_path / "extract.log").read_text()[-3000:]
-    assert trainer.wait(timeout=120) == 0, (tmp_path / "sae.log").read_text()[-3000:]
-    assert is_complete(run, STREAMS)
+    assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    rerun = log.read_text()[before:]
+    assert is_complete(run, STREAMS) and re.search(r"^step (\d+)/", rerun, re.M)[1] == str(reached + 1), rerun[:3000]
     assert_each_token_used_once(run, sae)
 
 

@@ -129,7 +129,8 @@ class TokenBatches:
     `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
     `follow` (seconds between listings) reads a run still being written, as its sole consumer: the first epoch
     takes each shard once as it is committed and ends when the streams read are complete (`rounds`, a folder,
-    records each round's shards; see harvest.read.rounds); batches then run on across rounds and epochs.
+    records each round's shards; see harvest.read.rounds; `on_wait()` runs as each wait for shards begins);
+    batches then run on across rounds and epochs.
     `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default);
     `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the run's own stats (merged from
     the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()`
@@ -146,7 +147,8 @@ class TokenBatches:
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
                  streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
                  stats: Mapping[str, fmt.RunningStats] | None = None, skip_first: int = 0,
-                 follow: float | None = None, rounds: Storage | None = None):
+                 follow: float | None = None, rounds: Storage | None = None,
+                 on_wait: Callable[[], None] | None = None):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
                             (world, "world"), (io_threads, "io_threads")):
             if int(value) <= 0:
@@ -195,9 +197,10 @@ class TokenBatches:
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
         self._pinned = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
         self._loaded_order: Order | None = None
-        self._poll, self._book = follow, rounds
+        self._poll, self._book, self._on_wait = follow, rounds, on_wait
         self._round, self._round_start = 0, None  # following: the round read now, and the shards before it
         self._served = 0  # rows served in the current epoch
+        self._handed: dict[str, Any] | None = None  # the state after the last batch handed out
         self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
         self.shards_seen = 0
 
@@ -239,7 +242,11 @@ class TokenBatches:
 
     # state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader stands: JSON-serializable, for a trainer's checkpoint."""
+        """Where this reader stands after the last batch it handed out (even while it reads or waits for the
+        next one): JSON-serializable, for a trainer's checkpoint."""
+        return dict(self._handed) if self._handed is not None else self._state_now()
+
+    def _state_now(self) -> dict[str, Any]:
         counts = self._epoch_counts
         return {"version": STATE_VERSION, "run": run_fingerprint(self.view.info),
                 "order": (self._loaded_order or self.order()).to_json(), "epoch": self._cursor.epoch,
@@ -271,7 +278,7 @@ class TokenBatches:
         self._round, self._served = int(state.get("round", 0)), int(state.get("served", 0))
         self._round_start = None if start is None else {int(s): int(n) for s, n in start.items()}
         self.skipped_shards.update(state["skipped_shards"])
-        self._loaded_order = saved
+        self._loaded_order, self._handed = saved, None
 
     # the plan --------------------------------------------------------------------------------------------
     def _epoch_shards(self, order: Order) -> list[Sidecar]:
@@ -324,17 +331,17 @@ class TokenBatches:
                 carry = yield from self._serve(order, self._plan(order, list(sidecars.values())), sidecars, carry)
                 if not order.follow:  # the epoch's last batch is short (or dropped)
                     if carry is not None and not self.drop_last:
-                        yield self._emit({k: v[:carry[1]] for k, v in carry[0].items()})
+                        yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
                     carry = None
             self._cursor, self._epoch_counts, self._served = Cursor(self._cursor.epoch + 1, 0, 0), None, 0
             self._round, self._round_start = 0, None
         if carry is not None and not self.drop_last:
-            yield self._emit({k: v[:carry[1]] for k, v in carry[0].items()})
+            yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
 
     def _follow(self, order: Order, carry: tuple | None) -> Iterator[dict[str, Any]]:
         """The first epoch of a run being written, round after round; returns the batch begun last."""
         epoch = self._cursor.epoch
-        follower = Follower(self.storage, order.streams, self._poll or 30.0, self._book)
+        follower = Follower(self.storage, order.streams, self._poll or 30.0, self._book, self._on_wait)
         while True:
             if self._epoch_counts is None:
                 self.view, decided = follower.next(self.view, epoch, self._round, self._round_start or {})
@@ -387,7 +394,7 @@ class TokenBatches:
                     self._served += take
                     if filled == self.batch_size:
                         self._cursor = Cursor(epoch, g, row) if row < group.rows else Cursor(epoch, g + 1, 0)
-                        yield self._emit(out)
+                        yield self._hand(out)
                         out = None
                 del group
             self._cursor = Cursor(epoch, len(plan), 0)
@@ -396,6 +403,12 @@ class TokenBatches:
             for f in pending:
                 f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _hand(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The batch to hand out, and the state after it."""
+        batch = self._emit(raw)
+        self._handed = self._state_now()
+        return batch
 
     def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
         """A gathered batch in the stored dtypes' bits -> dequantized, normalized, cast, converted."""

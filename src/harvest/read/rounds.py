@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from harvest.read.errors import StateError
@@ -71,10 +72,14 @@ def wait_for_run(storage: Storage, poll: float) -> Snapshot:
 
 
 class Follower:
-    """Decides the rounds of an epoch of `storage`'s run, over `streams` (None: all), waiting as needed."""
+    """Decides the rounds of an epoch of `storage`'s run, over `streams` (None: all), waiting as needed;
+    `on_wait()` runs as each wait begins (a trainer saves the step it reached: nothing is lost if it is
+    preempted while it waits)."""
 
-    def __init__(self, storage: Storage, streams: tuple[int, ...] | None, poll: float, book: Storage | None):
+    def __init__(self, storage: Storage, streams: tuple[int, ...] | None, poll: float, book: Storage | None,
+                 on_wait: Callable[[], None] | None = None):
         self.storage, self.streams, self.poll, self.book = storage, streams, float(poll), book
+        self.on_wait = on_wait
 
     def _wanted(self, view: Snapshot) -> dict[int, int]:
         return {s: n for s, n in view.counts().items() if self.streams is None or s in self.streams}
@@ -103,6 +108,8 @@ class Follower:
                 break
             if view.complete(self.streams):
                 return view, None
+            if since is None and self.on_wait is not None:
+                self.on_wait()
             since = _waiting(since, self._waiting_for(view, start, epoch))
             time.sleep(self.poll)
             view = view.grown(self.storage)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +94,13 @@ def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
 
 def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
             streams: list[list[int]] | None = None, epochs: int | None = None,
-            skip_first: int = 0, follow: float | None = None, book: Storage | None = None) -> list[GlobalBatches]:
+            skip_first: int = 0, follow: float | None = None, book: Storage | None = None,
+            on_wait: Callable[[], None] | None = None) -> list[GlobalBatches]:
     """One reader per run, `part` rows a step each, of its training streams (or `streams`), without each
     sample's first `skip_first` tokens; following the runs (`follow`) with their rounds in `book`/run_R."""
     def following(r: int) -> dict:
-        return {} if follow is None else {"follow": follow, "rounds": book and book.child(f"run_{r}")}
+        return {} if follow is None else {"follow": follow, "rounds": book and book.child(f"run_{r}"),
+                                          "on_wait": on_wait}
 
     return [run.jax_batches(part, tensors, mesh=mesh, data_axes=DATA_AXES, seed=seed, epochs=epochs,
                             dtype="float32", skip_first=skip_first,

@@ -4,6 +4,8 @@ As `harvest train`: everything a user can get wrong is refused before the first 
 process agrees on the settings, the newest intact checkpoint (params, Adam, the readers' positions, the
 dead-latent counters) is restored, and the loop runs to the token budget, logging every `log_every`
 steps and saving every `checkpoint_every`; SIGTERM saves at once and stops (exit 75 short of the budget).
+With --follow the readers follow runs still being written (harvest.read.rounds), one process reading, and the
+step reached is saved whenever a reader starts waiting for shards.
 """
 
 from __future__ import annotations
@@ -84,8 +86,15 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     state_shape = jax.eval_shape(lambda p: fresh_state(p, optimizers, specs), params_shape)
     checkpoints = Checkpoints(out.url_of(CHECKPOINTS), every=cfg.checkpoint_every, keep=cfg.keep)
     restored = checkpoints.restore_latest(abstract(state_shape, shardings))
+    positions: list[dict] = []  # the readers' states after the last step: what a save while waiting holds
+
+    def save_while_waiting() -> None:
+        """--follow: a reader waits for shards; the step reached is saved, so a preemption meanwhile loses nothing."""
+        if state is not None and int(state["step"]) not in checkpoints.steps():
+            checkpoints.save(int(state["step"]), state, {"readers": [positions]}, force=True)
+
     batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first, follow=follow,
-                        book=out.child(FOLLOW))
+                        book=out.child(FOLLOW), on_wait=save_while_waiting)
     if restored is None:
         state, saved_at = None, None
     else:
@@ -105,6 +114,8 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
 
     def advance(step: int) -> None:
         nonlocal state
+        if follow:
+            positions[:] = [b.state_dict() for b in batches]
         batch = D.next_batch(batches, tensors)
         if state is None:
             state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
