@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_helpers import count_sidecars, harvest_cmd, is_complete, run_harvest, text_streams
-from reader_helpers import SPECIAL, RunWriter
+from extract_helpers import count_sidecars, harvest_cmd, is_complete, text_streams
+from reader_helpers import RunWriter
 
 from harvest.read import open_run
 from harvest.storage import Storage

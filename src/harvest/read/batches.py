@@ -20,8 +20,6 @@ moment and serve some tokens twice and others never. A sole consumer may instead
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,58 +34,16 @@ from harvest.read import shuffle
 from harvest.read.errors import StateError
 from harvest.read.gather import Group
 from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader
+from harvest.read.position import STATE_VERSION, Cursor, Order, run_fingerprint
 from harvest.read.rounds import Follower
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
-from harvest.store.records import RunInfo, Sidecar
+from harvest.store.records import Sidecar
 from harvest.store.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
 NORMALIZE = (None, "standardize", "norm")
-STATE_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Order:
-    """Everything the token order depends on: a saved cursor applies only under the same Order."""
-
-    seed: int
-    shuffle: bool
-    buffer: int  # pieces mixed per group
-    piece_tokens: int
-    rank: int
-    world: int
-    worker: int
-    workers: int
-    exclude: tuple[int, ...]  # token ids left out
-    streams: tuple[int, ...] | None
-    skip_first: int = 0  # each sample's first tokens left out (attention sinks)
-    follow: bool = False  # the first epoch read in rounds while the run grows
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["exclude"] = list(self.exclude)
-        out["streams"] = None if self.streams is None else list(self.streams)
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Order:
-        return cls(**{**obj, "exclude": tuple(obj["exclude"]),
-                      "streams": None if obj["streams"] is None else tuple(obj["streams"])})
-
-
-@dataclasses.dataclass(frozen=True)
-class Cursor:
-    """The next row to serve: row `row` (in permuted order) of group `group` of epoch `epoch`."""
-
-    epoch: int
-    group: int
-    row: int
-
-
-def run_fingerprint(info: RunInfo) -> str:
-    return hashlib.sha256(info.to_bytes()).hexdigest()[:16]
 
 
 def torch_converter() -> Callable[[np.ndarray], Any]:

@@ -132,7 +132,8 @@ class Follower:
             self.book.create_exclusive(f"epoch_{epoch:05d}/end.json", json.dumps(record).encode())
 
     def _waiting_for(self, view: Snapshot, start: ShardCounts, epoch: int) -> str:
-        streams = [s for s in (self.streams if self.streams is not None else covered_streams(view.info)) if not view.done(s)]
+        read = self.streams if self.streams is not None else covered_streams(view.info)
+        streams = [s for s in read if not view.done(s)]
         shown = ", ".join(f"{s} (shard {start.get(s, 0)})" for s in streams[:8]) + (" ..." if len(streams) > 8 else "")
         read = sum(start.values())
         return (f"{view.url}: epoch {epoch} has read every committed shard ({read}); waiting for `harvest extract` to "

@@ -2,7 +2,8 @@
 
 Each step's batch takes equal parts of every run (one harvest reader per run, seeded, shuffled, rows over
 the mesh's data axes). With --follow the runs may still be written (or not started): their readers follow
-them (harvest.read.rounds), recording the rounds they read in the SAE run's `follow/run_R/`. A run's held-out streams (chosen by the seed) are never read by training; `sae eval`
+them (harvest.read.rounds), recording the rounds they read in the SAE run's `follow/run_R/`.
+A run's held-out streams (chosen by the seed) are never read by training; `sae eval`
 reads them. Every reader's position goes into the checkpoint: each process's own, gathered so that every
 process writes the same data file.
 """
