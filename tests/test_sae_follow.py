@@ -110,12 +110,10 @@ def wait_for(what, timeout: float = 120, proc: subprocess.Popen | None = None) -
 
 def saved_while_waiting(log: Path, sae: Path) -> int | None:
     """The last step the trainer logged, once it waits for shards with a checkpoint of that step."""
-    text = log.read_text()
-    steps = re.findall(r"^step (\d+)/", text, re.M)
-    waiting = "waiting for `harvest extract` to commit more" in text.rstrip().splitlines()[-1]
-    if steps and waiting and any(sae.glob(f"checkpoints/{steps[-1]}/*/process_00000.json")):
-        return int(steps[-1])
-    return None
+    steps = list(re.finditer(r"^step (\d+)/", log.read_text(), re.M))
+    if not steps or "waiting for `harvest extract` to commit more" not in log.read_text()[steps[-1].end():]:
+        return None
+    return int(steps[-1][1]) if any(sae.glob(f"checkpoints/{steps[-1][1]}/*/process_00000.json")) else None
 
 
 def assert_each_token_used_once(run: Path, sae: Path) -> None:

@@ -297,7 +297,7 @@ class TokenBatches:
     def _follow(self, order: Order, carry: tuple | None) -> Iterator[dict[str, Any]]:
         """The first epoch of a run being written, round after round; returns the batch begun last."""
         epoch = self._cursor.epoch
-        follower = Follower(self.storage, order.streams, self._poll or 30.0, self._book, self._on_wait)
+        follower = Follower(self.storage, order.streams, self._poll, self._book, self._on_wait)
         while True:
             if self._epoch_counts is None:
                 self.view, decided = follower.next(self.view, epoch, self._round, self._round_start or {})
