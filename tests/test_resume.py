@@ -227,7 +227,7 @@ def test_other_settings_into_the_same_out_are_refused_unless_overwrite(run):
     assert refused.returncode == 2, refused.stdout + refused.stderr
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in refused.stderr, refused.stderr
-    assert f"points: '{POINTS}' -> 'resid_post:1-2'" in lines[0] and "--overwrite" in lines[0], lines[0]
+    assert "points: 'mlp_out:2,resid_post:1-3' -> 'resid_post:1-2'" in lines[0] and "--overwrite" in lines[0], lines[0]
     assert snapshot(out) == before, "the refused run changed the output"
 
     redone = run_harvest(*other, "--overwrite", env=run.env)
@@ -242,14 +242,15 @@ def test_other_settings_into_the_same_out_are_refused_unless_overwrite(run):
 
 def test_rerunning_a_finished_run_from_another_directory_changes_nothing(run):
     """The same streams and out, spelled relative to another working directory (a worker restarted from
-    elsewhere, another host's mount): the run is recognised as the same one, finds every stream done and
-    writes nothing."""
+    elsewhere, another host's mount), and the same points spelled as TransformerLens hook names: the run is
+    recognised as the same one, finds every stream done and writes nothing."""
     out = run.root / "finished"
     shutil.copytree(run.a, out)
     before, _ = data_files(out)
     args = run.args(out)
     args[args.index("--data") + 1] = "streams"
     args[args.index("--out") + 1] = "finished"
+    args[args.index("--points") + 1] = "blocks.2.hook_mlp_out,resid_post:3,blocks.1.hook_resid_post,resid_post:2"
     rerun = subprocess.run(harvest_cmd(*args), env=run.env, cwd=run.root, capture_output=True, text=True,
                            timeout=180)
     assert rerun.returncode == 0, rerun.stderr

@@ -67,8 +67,10 @@ def _data_url(spec: str) -> str:
 
 def agreed(info: RunInfo) -> dict[str, Any]:
     """What two commands writing into one run must agree on (not flags like --batch-size or --streams): the
-    format version too, so that a harvest that writes another format never appends to the run."""
+    format version too, so that a harvest that writes another format never appends to the run. The points as
+    resolved (one spelling of them), not as typed: `blocks.1.hook_resid_post` is `resid_post:1`."""
     settings = {k: info.config.get(k) for k in ExtractConfig.OUTPUT_FIELDS}
+    settings["points"] = CapturePlan(tuple((p, tuple(layers)) for p, layers in info.points)).spec()
     data = dict(info.data)
     if data.get("sha256"):  # streams: their content (streams.json's sha256 per file) decides, not their URL
         data.pop("source", None)

@@ -12,14 +12,14 @@ Which shards an epoch reads. Consumers that split a run must split the same shar
 workers the snapshot it took. A reader with no snapshot reads the shards of the listing it was built from,
 and re-lists at each new epoch only when it is the sole consumer (picking up shards committed meanwhile).
 Several ranks with no snapshot on a run still being written are refused: each would list it at another
-moment and serve some tokens twice and others never.
+moment and serve some tokens twice and others never. A sole consumer may instead follow a run being written
+(`follow=`): its first epoch is read in rounds of newly committed shards until the run is complete
+(harvest.read.rounds), batches run on across rounds and epochs, and later epochs read the whole run.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
 import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,56 +34,16 @@ from harvest.read import shuffle
 from harvest.read.errors import StateError
 from harvest.read.gather import Group
 from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader
+from harvest.read.position import STATE_VERSION, Cursor, Order, run_fingerprint
+from harvest.read.rounds import Follower
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
-from harvest.store.records import RunInfo, Sidecar
+from harvest.store.records import Sidecar
 from harvest.store.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
 NORMALIZE = (None, "standardize", "norm")
-STATE_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Order:
-    """Everything the token order depends on: a saved cursor applies only under the same Order."""
-
-    seed: int
-    shuffle: bool
-    buffer: int  # pieces mixed per group
-    piece_tokens: int
-    rank: int
-    world: int
-    worker: int
-    workers: int
-    exclude: tuple[int, ...]  # token ids left out
-    streams: tuple[int, ...] | None
-    skip_first: int = 0  # each sample's first tokens left out (attention sinks)
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["exclude"] = list(self.exclude)
-        out["streams"] = None if self.streams is None else list(self.streams)
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> Order:
-        return cls(**{**obj, "exclude": tuple(obj["exclude"]),
-                      "streams": None if obj["streams"] is None else tuple(obj["streams"])})
-
-
-@dataclasses.dataclass(frozen=True)
-class Cursor:
-    """The next row to serve: row `row` (in permuted order) of group `group` of epoch `epoch`."""
-
-    epoch: int
-    group: int
-    row: int
-
-
-def run_fingerprint(info: RunInfo) -> str:
-    return hashlib.sha256(info.to_bytes()).hexdigest()[:16]
 
 
 def torch_converter() -> Callable[[np.ndarray], Any]:
@@ -123,6 +83,10 @@ class TokenBatches:
     how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
     `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
     `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
+    `follow` (seconds between listings) reads a run still being written, as its sole consumer: the first epoch
+    takes each shard once as it is committed and ends when the streams read are complete (`rounds`, a folder,
+    records each round's shards; see harvest.read.rounds; `on_wait()` runs as each wait for shards begins);
+    batches then run on across rounds and epochs.
     `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default);
     `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the run's own stats (merged from
     the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()`
@@ -138,7 +102,9 @@ class TokenBatches:
                  exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
                  streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
-                 stats: Mapping[str, fmt.RunningStats] | None = None, skip_first: int = 0):
+                 stats: Mapping[str, fmt.RunningStats] | None = None, skip_first: int = 0,
+                 follow: float | None = None, rounds: Storage | None = None,
+                 on_wait: Callable[[], None] | None = None):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
                             (world, "world"), (io_threads, "io_threads")):
             if int(value) <= 0:
@@ -155,6 +121,11 @@ class TokenBatches:
                 raise ValueError(f"{what}={value!r}: use one of {', '.join(map(repr, allowed))}")
         if dtype is not None and dtype not in fmt.DTYPES:
             raise ValueError(f"dtype={dtype!r}: use one of {', '.join(fmt.DTYPES)}")
+        if follow is not None and (float(follow) <= 0 or snapshot is not None):
+            raise ValueError(f"follow={follow}: give the seconds between listings (> 0), and no snapshot=")
+        if follow is not None and int(world) * int(workers or 1) > 1:
+            raise UserError(f"{view.url}: following a run being written takes one consumer; {world} ranks x "
+                            f"{workers or 1} workers were given (read it with one process, or once it is complete)")
         if snapshot is None and int(world) > 1 and not view.complete(streams):
             raise UserError(f"{view.url}: the run is still being written, and {world} ranks would each list it at "
                             "another moment: give every rank the same snapshot= (run.snapshot(), taken once)")
@@ -173,6 +144,7 @@ class TokenBatches:
                               piece_tokens=max(int(piece_bytes) // row_bytes, 1),
                               rank=int(rank), world=int(world),
                               exclude=tuple(sorted(set(self._excluded(exclude)))), skip_first=int(skip_first),
+                              follow=follow is not None,
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
         self._fixed_worker = None if worker is None else (int(worker), int(workers))
         self._affine = {n: self._normalization(n, normalize, stats) for n in names} if normalize else {}
@@ -181,6 +153,10 @@ class TokenBatches:
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
         self._pinned = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
         self._loaded_order: Order | None = None
+        self._poll, self._book, self._on_wait = follow, rounds, on_wait
+        self._round, self._round_start = 0, None  # following: the round read now, and the shards before it
+        self._served = 0  # rows served in the current epoch
+        self._handed: dict[str, Any] | None = None  # the state after the last batch handed out
         self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
         self.shards_seen = 0
 
@@ -222,13 +198,19 @@ class TokenBatches:
 
     # state -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Where this reader stands: JSON-serializable, for a trainer's checkpoint."""
+        """Where this reader stands after the last batch it handed out (even while it reads or waits for the
+        next one): JSON-serializable, for a trainer's checkpoint."""
+        return dict(self._handed) if self._handed is not None else self._state_now()
+
+    def _state_now(self) -> dict[str, Any]:
         counts = self._epoch_counts
         return {"version": STATE_VERSION, "run": run_fingerprint(self.view.info),
                 "order": (self._loaded_order or self.order()).to_json(), "epoch": self._cursor.epoch,
                 "group": self._cursor.group, "row": self._cursor.row, "first_epoch": self._first_epoch,
                 "shards": None if counts is None else {str(s): n for s, n in counts.items()},
-                "skipped_shards": sorted(self.skipped_shards)}
+                "round": self._round,
+                "round_start": None if self._round_start is None else {str(s): n for s, n in self._round_start.items()},
+                "served": self._served, "skipped_shards": sorted(self.skipped_shards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` (from `state_dict`) stood. Refused with one line if it is another run's,
@@ -248,8 +230,11 @@ class TokenBatches:
         self._epoch_counts = None if counts is None else {int(s): int(n) for s, n in counts.items()}
         self._cursor = Cursor(int(state["epoch"]), int(state["group"]), int(state["row"]))
         self._first_epoch = int(state["first_epoch"])
+        start = state.get("round_start")
+        self._round, self._served = int(state.get("round", 0)), int(state.get("served", 0))
+        self._round_start = None if start is None else {int(s): int(n) for s, n in start.items()}
         self.skipped_shards.update(state["skipped_shards"])
-        self._loaded_order = saved
+        self._loaded_order, self._handed = saved, None
 
     # the plan --------------------------------------------------------------------------------------------
     def _epoch_shards(self, order: Order) -> list[Sidecar]:
@@ -275,10 +260,11 @@ class TokenBatches:
                  len(view.shards), view.num_tokens, len(counts), f", {writing} still being written" if writing else "")
         return list(view.shards)
 
-    def _plan(self, order: Order, shards: list[Sidecar]) -> list[list[shuffle.Piece]]:
-        """This consumer's groups of pieces for the epoch; marks the shards whose bytes it verifies."""
+    def _plan(self, order: Order, shards: list[Sidecar], round_: int = 0) -> list[list[shuffle.Piece]]:
+        """This consumer's groups of pieces for the epoch (or a round of it); marks the shards whose bytes it
+        verifies."""
         pieces = shuffle.cut([(sc.stream, sc.shard, sc.tokens) for sc in shards], order.piece_tokens)
-        everyone = shuffle.epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle)
+        everyone = shuffle.epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle, round_)
         mine = shuffle.share(everyone, order.rank, order.world, order.worker, order.workers)
         owned = shuffle.shards_to_verify(everyone, order.rank, order.world, order.worker, order.workers)
         self.pieces.to_verify = owned - self._planned
@@ -289,21 +275,57 @@ class TokenBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         order = self._loaded_order or self.order()
         self._loaded_order = order
+        if order.follow and order.world * order.workers > 1:
+            raise UserError(f"{self.view.url}: following a run being written takes one consumer, not {order.workers} "
+                            "data-loader workers (use num_workers=0, or read it once it is complete)")
+        carry = None  # a batch begun and not yet full: (rows, filled)
         while self.epochs is None or self._cursor.epoch < self._first_epoch + self.epochs:
-            sidecars = {(sc.stream, sc.shard): sc for sc in self._epoch_shards(order)}
-            plan = self._plan(order, list(sidecars.values()))
-            yield from self._serve(order, plan, sidecars)
-            self._cursor, self._epoch_counts = Cursor(self._cursor.epoch + 1, 0, 0), None
+            if order.follow and self._cursor.epoch == self._first_epoch:
+                carry = yield from self._follow(order, carry)
+            else:
+                sidecars = {(sc.stream, sc.shard): sc for sc in self._epoch_shards(order)}
+                carry = yield from self._serve(order, self._plan(order, list(sidecars.values())), sidecars, carry)
+                if not order.follow:  # the epoch's last batch is short (or dropped)
+                    if carry is not None and not self.drop_last:
+                        yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
+                    carry = None
+            self._cursor, self._epoch_counts, self._served = Cursor(self._cursor.epoch + 1, 0, 0), None, 0
+            self._round, self._round_start = 0, None
+        if carry is not None and not self.drop_last:
+            yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
 
-    def _serve(self, order: Order, plan: list[list[shuffle.Piece]], sidecars: dict) -> Iterator[dict[str, Any]]:
-        """The epoch's batches from the cursor on; pieces are read `prefetch` ahead of the group served."""
+    def _follow(self, order: Order, carry: tuple | None) -> Iterator[dict[str, Any]]:
+        """The first epoch of a run being written, round after round; returns the batch begun last."""
+        epoch = self._cursor.epoch
+        follower = Follower(self.storage, order.streams, self._poll, self._book, self._on_wait)
+        while True:
+            if self._epoch_counts is None:
+                self.view, decided = follower.next(self.view, epoch, self._round, self._round_start or {})
+                if decided is None:
+                    follower.ended(epoch, self._round, self._served)
+                    return carry
+                self._round_start, self._epoch_counts = decided.start, decided.end
+                self._cursor = Cursor(epoch, 0, 0)
+            else:
+                self.view = follower.covering(self.view, self._epoch_counts)
+            start = self._round_start or {}
+            shards = [sc for sc in self.view.limited(self._epoch_counts).shards if sc.shard >= start.get(sc.stream, 0)]
+            self.shards_seen = sum(self._epoch_counts.values())
+            sidecars = {(sc.stream, sc.shard): sc for sc in shards}
+            carry = yield from self._serve(order, self._plan(order, shards, self._round), sidecars, carry, self._round)
+            self._round, self._round_start, self._epoch_counts = self._round + 1, self._epoch_counts, None
+
+    def _serve(self, order: Order, plan: list[list[shuffle.Piece]], sidecars: dict, carry: tuple | None,
+               round_: int = 0) -> Iterator[dict[str, Any]]:
+        """The plan's full batches from the cursor on, the first one completing `carry`; returns the batch
+        begun last (None when the rows ran out on a batch boundary). Pieces are read `prefetch` ahead of the
+        group served."""
         epoch, start = self._cursor.epoch, self._cursor
         todo = [p for g in range(start.group, len(plan)) for p in plan[g]]
         pending: collections.deque[Future] = collections.deque()
         submitted = boundary = 0
         pool = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="harvest-read")
-        out: dict[str, np.ndarray] | None = None
-        filled = 0
+        out, filled = carry if carry is not None else (None, 0)
         try:
             for g in range(start.group, len(plan)):
                 boundary += len(plan[g])
@@ -313,7 +335,8 @@ class TokenBatches:
                                                order.exclude, order.skip_first))
                     submitted += 1
                 group = Group([pending.popleft().result() for _ in plan[g]])
-                perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle)
+                perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle,
+                                         round_)
                 row = start.row if g == start.group else 0
                 while row < group.rows:
                     if out is None:
@@ -324,18 +347,24 @@ class TokenBatches:
                     group.gather(perm[row:row + take], out, filled)
                     filled += take
                     row += take
+                    self._served += take
                     if filled == self.batch_size:
                         self._cursor = Cursor(epoch, g, row) if row < group.rows else Cursor(epoch, g + 1, 0)
-                        yield self._emit(out)
+                        yield self._hand(out)
                         out = None
                 del group
-            if out is not None and filled and not self.drop_last:
-                self._cursor = Cursor(epoch, len(plan), 0)
-                yield self._emit({k: v[:filled] for k, v in out.items()})
+            self._cursor = Cursor(epoch, len(plan), 0)
+            return (out, filled) if out is not None and filled else None
         finally:
             for f in pending:
                 f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _hand(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
+        """The batch to hand out, and the state after it."""
+        batch = self._emit(raw)
+        self._handed = self._state_now()
+        return batch
 
     def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
         """A gathered batch in the stored dtypes' bits -> dequantized, normalized, cast, converted."""

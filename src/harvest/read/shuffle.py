@@ -39,10 +39,11 @@ def cut(shards: list[tuple[int, int, int]], piece_tokens: int | None) -> list[Pi
     return out
 
 
-def epoch_order(pieces: list[Piece], seed: int, epoch: int, shuffle: bool) -> list[Piece]:
+def epoch_order(pieces: list[Piece], seed: int, epoch: int, shuffle: bool, round_: int = 0) -> list[Piece]:
+    """Level one; `round_` > 0 numbers the later rounds of an epoch read while the run grows (harvest.read.rounds)."""
     if not shuffle:
         return list(pieces)
-    perm = np.random.default_rng([seed, epoch]).permutation(len(pieces))
+    perm = np.random.default_rng([seed, epoch, *([round_] if round_ else [])]).permutation(len(pieces))
     return [pieces[i] for i in perm]
 
 
@@ -62,8 +63,9 @@ def groups(pieces: list[Piece], buffer: int) -> list[list[Piece]]:
     return [pieces[i:i + buffer] for i in range(0, len(pieces), buffer)]
 
 
-def row_order(rows: int, seed: int, epoch: int, rank: int, worker: int, group: int, shuffle: bool) -> np.ndarray:
+def row_order(rows: int, seed: int, epoch: int, rank: int, worker: int, group: int, shuffle: bool,
+              round_: int = 0) -> np.ndarray:
     """The order of a group's rows (level two)."""
     if not shuffle:
         return np.arange(rows)
-    return np.random.default_rng([seed, epoch, rank, worker, group]).permutation(rows)
+    return np.random.default_rng([seed, epoch, rank, worker, group, *([round_] if round_ else [])]).permutation(rows)

@@ -55,6 +55,13 @@ class SaeConfig(RunSettings):
     skip_first: int = setting("leave out each sample's first N tokens (attention sinks, whose norms dwarf the rest) "
                               "from training, and from `sae eval` (its reconstruction and the CE splice)", 0,
                               minimum=0)
+    follow: bool = setting("train while `harvest extract` still writes --run: the first epoch takes each shard once as "
+                           "it is committed, waits (saying for what) when it has read every committed shard, and ends "
+                           "when every stream of the run is complete; later epochs read the whole run, reshuffled. A "
+                           "run not started yet is waited for; the shards each round took are recorded in "
+                           "OUT/follow/. Training still ends at --tokens", False)
+    follow_poll: float = setting("--follow: seconds between listings of the run while waiting for shards", 30.0,
+                                 minimum=0)
     holdout_streams: int = setting("streams of the run left out of training, chosen by --seed, for `sae eval`", 0,
                                    minimum=0)
     mesh: str | None = setting("data=..,fsdp=..,model=.. : latents over model, the batch over data x fsdp "
@@ -109,6 +116,14 @@ class SaeConfig(RunSettings):
             raise ConfigError("--run: give at least one harvest run URL")
         if not self.tensor_names:
             raise ConfigError("--tensors: give at least one tensor of the run, e.g. resid_post.12")
+        if self.follow and self.follow_poll <= 0:
+            raise ConfigError(f"--follow-poll {self.follow_poll}: give the seconds between listings, more than 0")
+        if self.follow and self.normalize == "run-stats":
+            raise ConfigError("--normalize run-stats needs the whole run's statistics, which --follow does not have "
+                              "until the run is complete; use --normalize none, or train once the run is complete")
+        if self.follow and self.eval_every:
+            raise ConfigError("--eval-every reads held-out rows at the start, which a run followed may not hold yet; "
+                              "drop it and measure with `harvest sae eval` once the run is complete")
         if self.eval_every and not self.holdout_streams:
             raise ConfigError("--eval-every needs held-out streams to evaluate on: give --holdout-streams N")
         if self.batch_tokens % len(self.runs):

@@ -1,7 +1,9 @@
 """An SAE's data: the runs it reads, checked before anything is written, and their rows as global arrays.
 
 Each step's batch takes equal parts of every run (one harvest reader per run, seeded, shuffled, rows over
-the mesh's data axes). A run's held-out streams (chosen by the seed) are never read by training; `sae eval`
+the mesh's data axes). With --follow the runs may still be written (or not started): their readers follow
+them (harvest.read.rounds), recording the rounds they read in the SAE run's `follow/run_R/`.
+A run's held-out streams (chosen by the seed) are never read by training; `sae eval`
 reads them. Every reader's position goes into the checkpoint: each process's own, gathered so that every
 process writes the same data file.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +21,12 @@ from jax.sharding import Mesh
 
 from harvest.errors import UserError
 from harvest.read.jax_data import GlobalBatches
+from harvest.read.rounds import wait_for_run
 from harvest.read.run import Run, open_run
 from harvest.runtime.mesh import data_slots
 from harvest.sae.step import DATA_AXES
+from harvest.storage import Storage
+from harvest.store.listing import covered_streams
 
 
 class SaeInputError(UserError):
@@ -32,9 +38,10 @@ class Inputs:
     runs: list[Run]
     widths: dict[str, int]  # tensor -> width, the same in every run
     holdout: list[list[int]]  # per run: streams left out of training
+    streams: list[list[int]]  # per run: the streams read (training and held out)
 
     def train_streams(self, r: int) -> list[int]:
-        return [s for s in self.runs[r].streams if s not in self.holdout[r]]
+        return [s for s in self.streams[r] if s not in self.holdout[r]]
 
     def mean_square_norm(self, tensor: str) -> float:
         """E ||x||^2 over every committed token of every run (their merged stats)."""
@@ -46,29 +53,33 @@ class Inputs:
         return total / max(count, 1)
 
 
-def open_inputs(urls: tuple[str, ...], tensors: tuple[str, ...], holdout_streams: int, seed: int) -> Inputs:
+def open_inputs(urls: tuple[str, ...], tensors: tuple[str, ...], holdout_streams: int, seed: int,
+                follow: float | None = None) -> Inputs:
     """Open the runs; refuse (one line) a tensor one of them lacks, a run with no committed shard, widths
-    that differ between runs, or held-out streams that leave nothing to train on."""
-    runs = [open_run(url) for url in urls]
+    that differ between runs, or held-out streams that leave nothing to train on. Following (`follow`: the
+    seconds between listings), a run not started yet is waited for, and every stream it covers is read,
+    committed yet or not."""
+    runs = [open_run(url) if follow is None else Run(storage, wait_for_run(storage, follow))
+            for url, storage in ((u, Storage(u)) for u in urls)]
     widths: dict[str, int] = {}
     for run in runs:
         missing = [t for t in tensors if t not in run.tensors]
         if missing:
             raise SaeInputError(f"{run.url} holds no {', '.join(missing)}; it holds {', '.join(run.tensors)}")
-        if not run.streams or run.num_tokens == 0:
+        if follow is None and (not run.streams or run.num_tokens == 0):
             raise SaeInputError(f"{run.url} has no committed shards yet: nothing to train on")
         for t in tensors:
             if widths.setdefault(t, run.tensors[t]) != run.tensors[t]:
                 raise SaeInputError(f"{t} is {widths[t]} wide in {runs[0].url} but {run.tensors[t]} in {run.url}: "
                                     "one SAE needs runs of the same width")
-    holdout = []
-    for run in runs:
-        if holdout_streams >= len(run.streams):
-            raise SaeInputError(f"--holdout-streams {holdout_streams}: {run.url} has {len(run.streams)} streams "
-                                "with committed shards; keep at least one for training")
-        picked = np.random.default_rng(seed).choice(run.streams, holdout_streams, replace=False)
+    holdout, streams = [], [run.streams if follow is None else covered_streams(run.info) for run in runs]
+    for run, read in zip(runs, streams):
+        if holdout_streams >= len(read):
+            raise SaeInputError(f"--holdout-streams {holdout_streams}: {run.url} has {len(read)} streams"
+                                + ("" if follow else " with committed shards") + "; keep at least one for training")
+        picked = np.random.default_rng(seed).choice(read, holdout_streams, replace=False)
         holdout.append(sorted(int(s) for s in picked))
-    return Inputs(runs, widths, holdout)
+    return Inputs(runs, widths, holdout, streams)
 
 
 def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
@@ -84,12 +95,17 @@ def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
 
 def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
             streams: list[list[int]] | None = None, epochs: int | None = None,
-            skip_first: int = 0) -> list[GlobalBatches]:
+            skip_first: int = 0, follow: float | None = None, book: Storage | None = None,
+            on_wait: Callable[[], None] | None = None) -> list[GlobalBatches]:
     """One reader per run, `part` rows a step each, of its training streams (or `streams`), without each
-    sample's first `skip_first` tokens."""
+    sample's first `skip_first` tokens; following the runs (`follow`) with their rounds in `book`/run_R."""
+    def following(r: int) -> dict:
+        return {} if follow is None else {"follow": follow, "rounds": book and book.child(f"run_{r}"),
+                                          "on_wait": on_wait}
+
     return [run.jax_batches(part, tensors, mesh=mesh, data_axes=DATA_AXES, seed=seed, epochs=epochs,
                             dtype="float32", skip_first=skip_first,
-                            streams=inputs.train_streams(r) if streams is None else streams[r])
+                            streams=inputs.train_streams(r) if streams is None else streams[r], **following(r))
             for r, run in enumerate(inputs.runs)]
 
 

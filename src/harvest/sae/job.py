@@ -4,6 +4,8 @@ As `harvest train`: everything a user can get wrong is refused before the first 
 process agrees on the settings, the newest intact checkpoint (params, Adam, the readers' positions, the
 dead-latent counters) is restored, and the loop runs to the token budget, logging every `log_every`
 steps and saving every `checkpoint_every`; SIGTERM saves at once and stops (exit 75 short of the budget).
+With --follow the readers follow runs still being written (harvest.read.rounds), one process reading, and the
+step reached is saved whenever a reader starts waiting for shards.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from harvest.train.runlog import MetricsFile, RunRecord, check_run, write_run
 KIND = "sae"
 EVAL_BATCHES = 8  # batches of held-out rows each --eval-every evaluation reads
 EVAL_KEYS = ("eval_fvu", "eval_l0", "eval_dead_fraction")
+FOLLOW = "follow"  # --follow: the rounds each run's reader took, OUT/follow/run_R/epoch_00000/round_RRRRRR.json
 
 
 def specs_of(cfg: SaeConfig, widths: dict[str, int]) -> dict[str, M.Spec]:
@@ -51,7 +54,12 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     cache.keep_compiled(not cfg.no_compile_cache)
     mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     tensors = list(cfg.tensor_names)
-    inputs = D.open_inputs(cfg.runs, cfg.tensor_names, cfg.holdout_streams, cfg.seed)
+    follow = cfg.follow_poll if cfg.follow else None
+    if follow and jax.process_count() > 1:
+        raise D.SaeInputError(f"--follow reads the run with one process, and {jax.process_count()} were started: "
+                              "train on one host (its devices all on --mesh), or without --follow once the run is "
+                              "complete")
+    inputs = D.open_inputs(cfg.runs, cfg.tensor_names, cfg.holdout_streams, cfg.seed, follow)
     specs = specs_of(cfg, inputs.widths)
     part = D.check_batch(cfg.batch_tokens, len(inputs.runs), mesh)
     scales = {t: float(np.sqrt(w / max(inputs.mean_square_norm(t), 1e-12))) if cfg.normalize == "run-stats" else 1.0
@@ -78,7 +86,15 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     state_shape = jax.eval_shape(lambda p: fresh_state(p, optimizers, specs), params_shape)
     checkpoints = Checkpoints(out.url_of(CHECKPOINTS), every=cfg.checkpoint_every, keep=cfg.keep)
     restored = checkpoints.restore_latest(abstract(state_shape, shardings))
-    batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first)
+    positions: list[dict] = []  # the readers' states after the last step: what a save while waiting holds
+
+    def save_while_waiting() -> None:
+        """--follow: a reader waits for shards; the step reached is saved, so a preemption meanwhile loses nothing."""
+        if state is not None and int(state["step"]) not in checkpoints.steps():
+            checkpoints.save(int(state["step"]), state, {"readers": [positions]}, force=True)
+
+    batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first, follow=follow,
+                        book=out.child(FOLLOW), on_wait=save_while_waiting)
     if restored is None:
         state, saved_at = None, None
     else:
@@ -98,6 +114,8 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
 
     def advance(step: int) -> None:
         nonlocal state
+        if follow:
+            positions[:] = [b.state_dict() for b in batches]
         batch = D.next_batch(batches, tensors)
         if state is None:
             state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)

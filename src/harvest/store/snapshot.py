@@ -56,6 +56,19 @@ class Snapshot:
         chains = read_chains(storage, covered_streams(info))
         return cls(storage.url, info, tuple(sc for s in sorted(chains) for sc in chains[s]))
 
+    def grown(self, storage: Storage) -> Snapshot:
+        """The run as it stands now, for a reader that follows it: only the sidecars committed since this
+        snapshot are read (committed ones never change). UserError in one line when run.json changed meanwhile
+        (the run was started over, e.g. with --overwrite): what was read of it is no longer the run."""
+        info = read_run_info(storage)
+        if info.to_bytes() != self.info.to_bytes():
+            raise UserError(f"{storage.url_of(fmt.RUN_JSON)} changed while it was being read (the run was started "
+                            "over, e.g. with --overwrite): what was read belongs to another run; start the reader "
+                            "over too (a new --out for an SAE)")
+        known = {(sc.stream, sc.shard): sc for sc in self.shards}
+        chains = read_chains(storage, covered_streams(info), known=known)
+        return dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
+
     def limited(self, counts: ShardCounts) -> Snapshot:
         """The first counts[stream] shards of each stream named (streams not named are left out).
         ValueError when this snapshot holds fewer: it was taken before the one `counts` came from."""
