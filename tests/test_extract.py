@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import hf_reference as ref
 import numpy as np
@@ -176,13 +177,22 @@ def extract_on_this_cpu(model_dir, data, out):
     """`harvest extract` as on a plain CPU host (no XLA_FLAGS): the job's own choices of one slot, block-sparse
     attention, and the other cores' devices taking batches in turn."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    started = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "harvest", "extract", "--model", str(model_dir), "--data", str(data),
                              "--out", str(out), "--points", POINTS, "--dtype", "float32", "--max-seq-len", "128",
                              "--batch-size", "2", "--shard-size", "20KB", "--long", "truncate"],
                             capture_output=True, text=True, env=env, timeout=300)
+    wall = time.monotonic() - started
     assert result.returncode == 0, result.stderr
     more = min(os.cpu_count() or 1, 4) - 1  # runtime.cores: a device per core, at most 4
     assert "devices: data=1 x fsdp=1 x model=1" + (f", and {more} more CPU device" if more else "\n") in result.stdout
+    # The start-up line (extract.startup), in the summary and logged at the first batch: every stage ends before it.
+    line = re.search(r"^start-up: ([\d.]+) s to the first batch \(imports ([\d.]+), backend ([\d.]+), tokenizer "
+                     r"([\d.]+), weights ([\d.]+), compile ([\d.]+), rows ([\d.]+)\)$", result.stdout, re.M)
+    assert line, result.stdout
+    total, *stages = map(float, line.groups())
+    assert 0 < total < wall and max(stages) <= total + 0.1, line.group(0)
+    assert f"harvest: {line.group(0)}\n" in result.stderr
 
 
 def test_block_sparse_extraction_equals_hf_and_a_resume_rewrites_the_same_bytes(model_dir, tmp_path):

@@ -144,6 +144,7 @@ def _print_summary(summary: dict) -> None:
           f"({summary['tokens_per_s']:,.0f} tokens/s, packing efficiency {summary['packing_efficiency']:.1%}, "
           f"{summary['shards_written']} shards)")
     print(f"devices: {summary['devices']}")
+    print(summary["startup"])
     print(f"long samples: {summary['truncated']} truncated, {summary['chunked']} chunked, "
           f"{summary['skipped_long']} skipped; bad inputs skipped: {summary['skipped'] - summary['skipped_long']}")
     for reason, count in summary["skip_reasons"].items():

@@ -27,6 +27,7 @@ from harvest.extract.pipeline import run_pipeline
 from harvest.extract.report import Progress, summarize
 from harvest.extract.runinfo import agreed, build_run_info, check_run
 from harvest.extract.shards import ShardWriter
+from harvest.extract.startup import Startup, since_start
 from harvest.model import (
     Decoder,
     ModelConfig,
@@ -56,9 +57,14 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     command leaves the output as it was. The first write is a lease: where storage refuses it, nothing
     was written.
     """
+    clock = Startup()
+    clock.span("imports", 0.0)
     checkpoint = resolve_checkpoint(cfg.model)
-    # The tokenizer loads beside the backend's start (transformers imports torch where it is installed: seconds).
-    tokenizer_loading = _in_background(prompts.load_tokenizer, checkpoint)
+    # The tokenizer loads beside the backend's start (transformers, for chat templates or a tokenizer it adapts,
+    # imports torch where it is installed: seconds).
+    tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint,
+                                       cfg.format == "chat")
+    backend_start = since_start()
     # Without a --mesh, a one-process CPU run is one slot whose batches take the host's cores in turn.
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
     cores_as_devices = cores.expose_cores(multi or cfg.mesh is not None)
@@ -66,6 +72,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     cache.keep_compiled(not cfg.no_compile_cache)
     replicas = cores_as_devices and jax.default_backend() == "cpu"
     mesh = make_mesh("data=1", jax.devices()[:1]) if replicas else make_mesh(cfg.mesh or f"data={jax.device_count()}")
+    clock.span("backend", backend_start)
 
     out = Storage(cfg.out)
     model = ModelConfig.from_dir(checkpoint)
@@ -87,8 +94,10 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # 8-bit codes are made on the host from float32 values, whose moments the sidecars' stats are.
     decoding = dict(compute_dtype=compute_dtype, out_dtype="float32" if quant.is_quantized(cfg.dtype) else cfg.dtype,
                     replicas=replicas, moment_slots=moments.SLOTS, attention=cfg.attention)
+    compile_start = since_start()
     compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
+    compiled.add_done_callback(lambda _: clock.span("compile", compile_start))
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen)
@@ -116,9 +125,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             if jax.process_index() == 0 and not out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes()):
                 check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
-            decoder = load_decoder(checkpoint, cfg.points, mesh, **decoding)
+            decoder = clock.timed("weights", load_decoder, checkpoint, cfg.points, mesh, **decoding)
             return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure,
-                            sigterm)
+                            sigterm, clock)
         finally:
             leases.release_all()
 
@@ -176,7 +185,8 @@ def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: 
 
 
 def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
-             out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag) -> dict[str, Any]:
+             out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag,
+             clock: Startup) -> dict[str, Any]:
     # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
     # wiped by --overwrite starts afresh without reading it again: a stalled writer's commit landing after the
     # wipe is met by this run's commit of that shard (CommitLost), never read as a gap in the chain.
@@ -208,7 +218,7 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     start = time.monotonic()
     with progress.display(), distributed.peers_watched():
         stopped = run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer,
-                               progress, failure, compiled, stop=lambda: sigterm.raised)
+                               progress, failure, compiled, stop=lambda: sigterm.raised, startup=clock)
     if stopped:
         raise RetryLater("stopped on SIGTERM: the shards closed by then are committed, the leases released; rerun "
                          "the same command to resume")
@@ -216,7 +226,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
         leases.release(stream)
     with distributed.peers_watched():
         distributed.barrier("harvest-extract-done")
-    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": decoder.describe()}
+    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": decoder.describe(),
+            "startup": clock.line()}
 
 
 def _limit(records, n: int):

@@ -12,6 +12,7 @@ committed and the rows of the shards still open are dropped (a rerun computes th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 from concurrent.futures import Future
 import threading
@@ -22,6 +23,7 @@ import numpy as np
 
 from harvest.data.batching import Row
 from harvest.extract.report import Progress
+from harvest.extract.startup import Startup, since_start
 from harvest.model import Decoder
 from harvest.runtime import distributed
 from harvest.runtime.mesh import data_slots
@@ -29,22 +31,28 @@ from harvest.store import format as fmt
 from harvest.store.commit import Committer
 
 QUEUE_DEPTH = 2
+log = logging.getLogger("harvest")
 
 
 def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batch_size: int, seq_len: int,
                  writers: dict, committer: Committer, progress: Progress, failure: list[BaseException],
-                 compiled: Future | None = None, stop: Callable[[], bool] = lambda: False) -> bool:
+                 compiled: Future | None = None, stop: Callable[[], bool] = lambda: False,
+                 startup: Startup | None = None) -> bool:
     """Feed, forward and write until every slot's streams are done (on every process together), or until
     `stop()` is true on any process; returns whether it stopped early, when the shards closed by then are
     committed. Raises the first failure of any stage. `compiled`: the forward's compile under way
-    (model.compile_forward), awaited before the first batch."""
+    (model.compile_forward), awaited before the first batch. `startup`: records the feeder's first batch and the
+    first forward's dispatch, and logs its line then."""
     num_slots = data_slots(decoder.mesh)
     shape = (num_slots * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     halt = threading.Event()
-    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure, halt), failure)
+    startup = startup or Startup()
+    rows_start = since_start()
+    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure, halt,
+                                first=lambda: startup.span("rows", rows_start)), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
     if compiled is not None:
         compiled.result()  # while the feeder makes the first rows
@@ -59,6 +67,8 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
         if not distributed.any_true(not local_done):
             break
         outputs = decoder.step((batch or idle).tokens, (batch or idle).segments)
+        if batch is not None and startup.batch_started():
+            log.info(startup.line())
         if batch is not None and writers:
             for array in jax.tree.leaves(outputs):
                 for shard in local_blocks(array):
@@ -136,9 +146,10 @@ def get(q: queue.Queue, failure: list[BaseException]):
 
 
 def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
-          failure: list[BaseException], halt: threading.Event) -> None:
+          failure: list[BaseException], halt: threading.Event, first: Callable[[], None] = lambda: None) -> None:
     """Batches of `batch_size` rows for each slot this process feeds (the other blocks stay empty: other
-    processes feed them); a slot out of streams pads with empty rows. Stops when `halt` is set."""
+    processes feed them); a slot out of streams pads with empty rows. Stops when `halt` is set. `first()` is
+    called once the first batch is made."""
     iterators = {k: _chain(streams_of_slot, stream_rows) for k, streams_of_slot in slots.items()}
     live = {k: True for k in slots}
     while any(live.values()):
@@ -152,7 +163,10 @@ def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple
                     continue
                 rows[i] = item
                 tokens[i], segments[i] = item[1].tokens, item[1].segments
-        if any(rows) and not put(batches, Batch(tokens, segments, rows), failure, halt):
+        if not any(rows):
+            continue
+        first()
+        if not put(batches, Batch(tokens, segments, rows), failure, halt):
             return
     put(batches, None, failure, halt)
 
