@@ -94,7 +94,6 @@ class _Encoded:
 
     shard: ClosedShard
     parts: list
-    digest: concurrent.futures.Future
     tensor_digests: dict[str, concurrent.futures.Future]
     stats: dict[str, concurrent.futures.Future]
 
@@ -192,17 +191,21 @@ class Committer:
     `attempt` names this writer's data objects. `guard(stream)` runs before each write of a stream and raises
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
-    when another writer committed a shard of the stream first.
+    when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
+    (format.CHECKSUMS; default format.default_checksum()).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
                  guard: Callable[[int], None] | None = None,
-                 on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2):
+                 on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2,
+                 checksum: str | None = None):
         self.storage = storage
         self.attempt = attempt
-        # A shard's stats (per tensor) and checksums run here, beside its data write: one stream's shards
-        # use every core this process may run on (its affinity, as a container or taskset limits it), not one
-        # (numpy and hashlib let go of the GIL).
+        self.checksum = checksum or fmt.default_checksum()
+        # A shard's stats and checksums (per tensor: one pass over its bytes, the file's digest derived from
+        # them) run here, beside its data write: one stream's shards use every core this process may run on
+        # (its affinity, as a container or taskset limits it), not one (numpy, hashlib and xxhash let go of
+        # the GIL).
         self._work = concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)),
                                                            thread_name_prefix="commit-work")
         self.on_commit = on_commit or (lambda manifest: None)
@@ -266,19 +269,21 @@ class Committer:
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        return _Encoded(shard, parts, self._work.submit(fmt.sha256, parts),
-                        {name: self._work.submit(fmt.sha256, blocks) for name, blocks in fmt.tensor_parts(parts).items()},
+        return _Encoded(shard, parts,
+                        {name: self._work.submit(fmt.digest, blocks, self.checksum)
+                         for name, blocks in fmt.tensor_parts(parts).items()},
                         {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items() if name in shard.moments})
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
+        tensors = {name: future.result() for name, future in encoded.tensor_digests.items()}
         manifest = Sidecar.of_shard(
-            parts, digest=encoded.digest.result(), stream=shard.stream, shard=shard.shard, attempt=self.attempt,
+            parts, checksum=self.checksum, digests=(fmt.file_digest(parts, tensors, self.checksum), tensors),
+            stream=shard.stream, shard=shard.shard, attempt=self.attempt,
             start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
-            tensor_sha256={name: future.result() for name, future in encoded.tensor_digests.items()},
             quantization=shard.quantization,
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
