@@ -27,8 +27,8 @@ def closed_shard(shard: int = 0) -> ClosedShard:
     return ClosedShard(stream=0, shard=shard, tensors={"resid_post.1": blocks, "mlp_out.0": [b[:, :4] for b in blocks]},
                        tokens=np.arange(8, dtype=np.int32), lengths=np.array([3, 5]), sample_ids=np.array([0, 2]),
                        variants=np.zeros(2, np.int32), start=(0, 0), next=(2, 0), row_start=(2, 0), skipped=[],
-                       long={}, final=True, records=2,
-                       moments={"resid_post.1": ([None, None], [None, None]), "mlp_out.0": ([None, None], [None, None])})
+                       long={}, final=True, records=2, moments={name: ([None, None], [None, None])
+                                                                for name in ("resid_post.1", "mlp_out.0")})
 
 
 def committed(tmp_path, checksum: str | None) -> tuple[Storage, Sidecar, bytes]:
