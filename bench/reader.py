@@ -8,7 +8,7 @@ storage, in alternating rounds (best round shown):
              warm; GCS/S3: one GET per file): the ceiling a plain loop reaches. Tokens/s counts the tokens
              those bytes hold.
   all/auto   token_batches over every tensor, shuffled, verify="auto": each shard's tensors checked once
-             against the sidecar's per-tensor sha256 (streamed), then pieces read as ranges
+             against the sidecar's per-tensor digests (streamed), then pieces read as ranges
   all/header the same with verify="header" (header, size and shape checks only)
   one/auto   one tensor of the shards' `--tensors`, verify="auto": that tensor's bytes are read twice,
              once to check them (shards are cut into pieces) and once as the pieces served
@@ -79,8 +79,8 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
         storage.write_bytes(rel + ".safetensors", data)
         storage.write_bytes(rel + ".json", Sidecar.of_shard(
             data, stream=stream, shard=index, start=(0, 0), next=(len(lengths), 0), row_start=(0, 0),
-            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False, records=0,
-            tensor_sha256={name: fmt.sha256(blocks) for name, blocks in fmt.tensor_parts(parts).items()}).to_bytes())
+            samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False,
+            records=0).to_bytes())
     return next_token
 
 

@@ -43,8 +43,7 @@ def main(url: str, streams: int, max_shards: int, pause: float) -> None:
         sidecar = Sidecar.of_shard(
             parts, stream=s, shard=k, attempt=attempt, start=(first, 0), next=(first + SAMPLES, 0),
             row_start=(first, 0), samples=SAMPLES, tokens=TOKENS, stats={NAME: fmt.RunningStats.of(acts)},
-            skipped=[], long={}, final=False, records=first + SAMPLES,
-            tensor_sha256={name: fmt.sha256(blocks) for name, blocks in fmt.tensor_parts(parts).items()})
+            skipped=[], long={}, final=False, records=first + SAMPLES)
         commit(storage, sidecar, parts, guard=lambda stream: None)
         time.sleep(pause)
 

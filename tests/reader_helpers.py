@@ -6,6 +6,8 @@ Every token id is unique except the special ones (0 and 1, left out by default),
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 
@@ -51,12 +53,13 @@ class RunWriter:
         parts = fmt.shard_parts(acts, tokens, np.array(lengths), np.arange(first, first + len(lengths)) * self.streams
                                 + stream, np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
         data = b"".join(parts)
-        digests = {name: fmt.sha256(blocks) for name, blocks in fmt.tensor_parts(parts).items()}
         manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
                                     row_start=(first, 0), samples=len(lengths), tokens=n,
                                     stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=[],
-                                    long={}, final=final, records=first + len(lengths),
-                                    tensor_sha256=digests if self.tensor_sha256 else None)
+                                    long={}, final=final, records=first + len(lengths))
+        if not self.tensor_sha256:
+            manifest = dataclasses.replace(manifest, checksum=None, digest=fmt.digest(data, "sha256"),
+                                           tensor_digests=None)
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(k)}"
         self.storage.write_bytes(rel + ".safetensors", data)
         if commit:

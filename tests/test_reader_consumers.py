@@ -188,7 +188,7 @@ def test_a_flipped_byte_in_a_tensor_read_is_caught_and_one_not_read_costs_nothin
     for readers in (consumers(run, tensors="resid_post.3"), [alone]):
         assert sum(len(r.verified_shards) for r in readers) == len(run.shards) and not any(
             r.skipped_shards for r in readers)
-    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3' do not match their sha256"):
+    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3' do not match their xxh3_128"):
         consumers(run, tensors="mlp_out.3")
     with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3' do not match"):
         list(run.token_batches(16, "mlp_out.3"))  # one consumer: the shard is one piece, checked as fetched

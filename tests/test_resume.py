@@ -10,6 +10,7 @@ Everything runs the real CLI in subprocesses on the tiny embedded demo checkpoin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from extract_helpers import (
+    committed,
     count_sidecars,
     data_of,
     data_files,
@@ -32,6 +34,9 @@ from extract_helpers import (
     text_streams,
     wait_for_sidecars,
 )
+
+import harvest
+from harvest.storage import Storage
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +164,60 @@ def test_verify_names_a_missing_or_altered_shard(run):
     assert result.returncode == 1, result.stdout + result.stderr
     problems = result.stdout.splitlines()[:-1]
     assert problems and all(altered in line for line in problems), result.stdout
-    assert "sha256" in result.stdout, result.stdout
+    assert "checksum mismatch" in result.stdout, result.stdout
+
+
+def written_the_old_way(sidecar: Path) -> bytes:
+    """Rewrite a sidecar as harvest wrote it before sidecars named their checksum: the whole file's sha256
+    under `sha256`, each tensor's under `tensor_sha256`. Returns its new bytes."""
+    obj = json.loads(sidecar.read_text())
+    data = data_of(sidecar).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    spans = {name: entry["data_offsets"] for name, entry in json.loads(data[8 : 8 + n]).items()
+             if name != "__metadata__"}
+    for key in ("checksum", "digest", "tensor_digests"):
+        del obj[key]
+    obj["sha256"] = hashlib.sha256(data).hexdigest()
+    obj["tensor_sha256"] = {name: hashlib.sha256(data[8 + n + a : 8 + n + b]).hexdigest()
+                            for name, (a, b) in spans.items()}
+    sidecar.write_text(json.dumps(obj, sort_keys=True))
+    return sidecar.read_bytes()
+
+
+def test_a_run_written_before_sidecars_named_their_checksum_reads_verifies_and_resumes(run):
+    """An upgraded harvest meets a run cut short by an older one: it verifies the old sidecars (sha256), resumes
+    the run after them with its own checksum, writes the same shards as a run never cut short, and reads both."""
+    old = run.root / "old"
+    shutil.copytree(run.a, old)
+    paths = [sorted((old / f"stream_{s:05d}").glob("shard_*.json")) for s in range(NUM_STREAMS)]
+    kept = {path: written_the_old_way(path) for stream in paths for path in stream}
+    checked = verify(old, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    data = bytearray(data_of(paths[1][3]).read_bytes())
+    data[-7] ^= 0x01
+    data_of(paths[1][3]).write_bytes(bytes(data))
+    refused = verify(old, run.env)
+    assert refused.returncode == 1 and "shard_000003-" in refused.stdout and "checksum mismatch" in refused.stdout
+    data[-7] ^= 0x01
+    data_of(paths[1][3]).write_bytes(bytes(data))
+    for stream in paths:
+        for path in stream[len(stream) // 2 :]:  # cut short halfway (the rest never committed)
+            data_of(path).unlink()
+            path.unlink()
+            del kept[path]
+    resumed = run_harvest(*run.args(old), env=run.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert {path: path.read_bytes() for path in kept} == kept
+    new = [json.loads(p.read_text()) for p in old.glob("stream_*/shard_*.json") if p not in kept]
+    assert new and all(sc["checksum"] == "xxh3_128" and "sha256" not in sc for sc in new)
+    checked = verify(old, run.env)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    (data_a, _), (data_old, leftovers) = (committed(Storage(str(out))) for out in (run.a, old))
+    shards = [rel for rel in data_a if rel.endswith(".safetensors")]
+    assert not leftovers and sorted(shards) == sorted(r for r in data_old if r.endswith(".safetensors"))
+    assert all(data_a[rel] == data_old[rel] for rel in shards)  # the same bytes as a run never cut short
+    tokens = [len(b["tokens"]) for b in harvest.open(str(old)).token_batches(256, verify="sha256")]
+    assert sum(tokens) == sum(json.loads(p.read_text())["tokens"] for p in run.a.glob("stream_*/shard_*.json"))
 
 
 def test_a_stream_leased_by_another_worker_stops_the_second_before_it_writes(run):

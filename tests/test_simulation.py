@@ -19,7 +19,7 @@ HARVEST_SIM_SCHEDULES sets how many schedules run (default 10,000).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import functools
 import heapq
 import itertools
 import logging
@@ -28,12 +28,14 @@ import random
 import time
 
 import greenlet
+import numpy as np
 import pytest
 
 import harvest.storage.storage as storage_module
 from harvest.errors import UserError
 from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
+from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint, commit, sweep, wipe
 from harvest.store.lease import LEASE, LeaseHeld, Leases
 from harvest.store.records import Sidecar
@@ -275,11 +277,21 @@ def shard_of(k: int, shards: int, attempt: str) -> tuple[Sidecar, bytes]:
     """Shard k of the stream, as every writer computes it (the pipeline is deterministic); only the data
     object's name differs between attempts."""
     lo, hi = k * SAMPLES_PER_SHARD, (k + 1) * SAMPLES_PER_SHARD
-    data = f"stream 0 shard {k}: samples {lo}..{hi - 1}".encode()
+    data, digests = shard_bytes(k)
     sidecar = Sidecar.of_shard(data, stream=0, shard=k, stats={}, attempt=attempt, start=(lo, 0), next=(hi, 0),
                                row_start=(hi, 0), samples=hi - lo, tokens=hi - lo, skipped=[], long={},
-                               final=k == shards - 1, records=hi)
+                               final=k == shards - 1, records=hi, checksum="xxh3_128", digests=digests)
     return sidecar, data
+
+
+@functools.cache
+def shard_bytes(k: int) -> tuple[bytes, tuple[str, dict[str, str]]]:
+    """Shard k's data object and its checksums, the same for every writer."""
+    lo, hi = k * SAMPLES_PER_SHARD, (k + 1) * SAMPLES_PER_SHARD
+    data = fmt.encode_shard({"resid_post.0": np.full((hi - lo, 2), k, np.float32)}, np.arange(lo, hi, dtype=np.int32),
+                            np.ones(hi - lo, np.int64), np.arange(lo, hi), np.zeros(hi - lo, np.int32),
+                            metadata={"stream": "0", "shard": str(k)})
+    return data, fmt.shard_digests(fmt.file_parts(data), "xxh3_128")
 
 
 def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, shards: int, outcomes: list) -> None:
@@ -356,7 +368,7 @@ def check(store: Store, shards: int) -> list[str]:
             problems.append(RESIDUAL)
         elif data is None:
             problems.append(f"shard {k}: its data object {sc.file} is missing")
-        elif len(data) != sc.bytes or hashlib.sha256(data).hexdigest() != sc.sha256:
+        elif (data, sc.digest) != (shard_bytes(k)[0], shard_bytes(k)[1][0]):
             problems.append(f"shard {k}: {sc.file} holds other bytes than its sidecar names")
         if sc.final != (k == shards - 1):
             problems.append(f"shard {k}: final is {sc.final}")

@@ -6,15 +6,14 @@ Where tensors lie, and whole-file or range hashing, are harvest.read.shardfile's
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 
 import numpy as np
 
 from harvest.storage import Storage
-from harvest.store import quant
+from harvest.store import format as fmt, quant
 from harvest.store.records import Sidecar
-from harvest.read.shardfile import ShardLayout, TensorSpan, file_sha256, range_sha256, read_layout
+from harvest.read.shardfile import ShardLayout, TensorSpan, file_digest, range_digest, read_layout
 
 
 def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
@@ -73,35 +72,41 @@ def checked_layout(storage: Storage, rel: str, sidecar: Sidecar, widths: dict[st
 
 
 def verify_bytes(storage: Storage, rel: str, layout: ShardLayout, sidecar: Sidecar, names: list[str]) -> int:
-    """Check the bytes of the tensors `names` against the sidecar's per-tensor sha256, or, in a sidecar
+    """Check the bytes of the tensors `names` against the sidecar's per-tensor digests, or, in a sidecar
     written before harvest recorded those, the whole file against its sha256. Returns the bytes hashed;
     raises ValueError naming what does not match."""
-    if sidecar.tensor_sha256 is None:
-        if file_sha256(storage, rel) != sidecar.sha256:
-            raise ValueError(f"its sha256 does not match its sidecar's ({sidecar.sha256[:12]}...)")
+    algorithm = sidecar.algorithm
+    if sidecar.tensor_digests is None:
+        if file_digest(storage, rel, algorithm) != sidecar.digest:
+            raise ValueError(f"its {algorithm} does not match its sidecar's ({sidecar.digest[:12]}...)")
         return sidecar.bytes
     hashed = 0
     for name in names:
-        want = sidecar.tensor_sha256.get(name)
-        if not isinstance(want, str):
-            raise ValueError(f"its sidecar has no sha256 for tensor {name!r}")
+        want = _wanted(sidecar, name)
         span = layout.tensors[name]
-        if range_sha256(storage, rel, span.start, span.end) != want:
-            raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
+        if range_digest(storage, rel, span.start, span.end, algorithm) != want:
+            raise ValueError(f"the bytes of tensor {name!r} do not match their {algorithm} in the sidecar "
+                             f"({want[:12]}...)")
         hashed += span.end - span.start
     return hashed
 
 
 def verify_fetched(cols: dict[str, np.ndarray], sidecar: Sidecar) -> int:
-    """Check whole tensors as fetched (a piece that is a whole shard) against the sidecar's per-tensor sha256.
+    """Check whole tensors as fetched (a piece that is a whole shard) against the sidecar's per-tensor digests.
     Returns the bytes hashed; raises ValueError naming a tensor that does not match."""
     hashed = 0
     for name, arr in cols.items():
-        want = (sidecar.tensor_sha256 or {}).get(name)
-        if not isinstance(want, str):
-            raise ValueError(f"its sidecar has no sha256 for tensor {name!r}")
+        want = _wanted(sidecar, name)
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # bf16 has no buffer format: hash its bytes
-        if hashlib.sha256(data).hexdigest() != want:
-            raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar ({want[:12]}...)")
+        if fmt.digest(data, sidecar.algorithm) != want:
+            raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
+                             f"({want[:12]}...)")
         hashed += data.nbytes
     return hashed
+
+
+def _wanted(sidecar: Sidecar, name: str) -> str:
+    want = (sidecar.tensor_digests or {}).get(name)
+    if not isinstance(want, str):
+        raise ValueError(f"its sidecar has no {sidecar.algorithm} for tensor {name!r}")
+    return want

@@ -7,10 +7,11 @@ What is checked, and when. Every consumer checks a shard's header before serving
 the run's widths and dtype, the file has the sidecar's length, and every range arrives whole. Bytes are
 checked against checksums by one consumer per shard among all ranks and data-loader workers (the one
 dealt the shard's first piece, harvest.read.shuffle), once per reader, before it serves any of the
-shard's pieces. With the sidecar's per-tensor sha256 it checks the tensors asked for: a piece that is a
-whole shard by the bytes it fetched, a shard cut into pieces by reading those tensors once more (less
-than the data served). A sidecar from before those existed has only the whole file's sha256, so the
-whole file is read. `verify`: "sha256" always checks; "auto" (default) checks with per-tensor checksums,
+shard's pieces. With the sidecar's per-tensor digests (by the checksum it names: xxh3_128, or sha256 in
+older runs) it checks the tensors asked for: a piece that is a whole shard by the bytes it fetched, a
+shard cut into pieces by reading those tensors once more (less than the data served). A sidecar from
+before those existed has only the whole file's sha256, so the whole file is read. `verify`: "sha256"
+always checks (by whichever checksum the sidecar names); "auto" (default) checks with per-tensor digests,
 and in older runs only when the tensors asked for are at least half of a shard's bytes; "header" never.
 A shard that fails stops the reader with one line naming it, or with `on_corrupt="skip"` is left out (the
 pieces of it this consumer reads) and counted in `skipped_shards`.
@@ -132,7 +133,7 @@ class PieceReader:
         read whole with per-tensor checksums, by the bytes its one piece fetches (before they are served)."""
         layout = checked_layout(self.storage, rel, sc, self.widths, self.stored, self.dtype_name)
         if (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
-            if whole and sc.tensor_sha256 is not None:
+            if whole and sc.tensor_digests is not None:
                 self._verify_fetched.add(rel)
             else:
                 self._record(rel, verify_bytes(self.storage, rel, layout, sc, self.keys))
@@ -146,4 +147,4 @@ class PieceReader:
     def _hashes(self, sc: Sidecar) -> bool:
         if self.verify == "header":
             return False
-        return self.verify == "sha256" or sc.tensor_sha256 is not None or self._whole_file_pays
+        return self.verify == "sha256" or sc.tensor_digests is not None or self._whole_file_pays

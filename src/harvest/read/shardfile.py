@@ -1,4 +1,4 @@
-"""A shard's data object as bytes on storage: where each tensor lies (its safetensors header), and its checksums.
+"""A shard's data object as bytes on storage: where each tensor lies (its safetensors header), and its digests.
 
 A safetensors file is `u64 n | n bytes of JSON header | data`; the header gives each tensor's dtype, shape
 and [begin, end) within the data. Tensors are row-major, so rows [lo, hi) of a [n_tokens, d] tensor are
@@ -8,7 +8,6 @@ one contiguous byte range, and a tensor's bytes can be hashed without reading th
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import mmap
 import struct
@@ -99,26 +98,26 @@ def map_file(path: str) -> mmap.mmap:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def file_sha256(storage: Storage, rel: str) -> str:
-    """A whole file's sha256, streamed (locally from a memory map, with no copy)."""
+def file_digest(storage: Storage, rel: str, checksum: str) -> str:
+    """A whole file's plain digest (an older sidecar's sha256), streamed (locally from a memory map, no copy)."""
     if storage.is_local:
-        return hashlib.sha256(map_file(storage.path(rel))).hexdigest()
-    digest = hashlib.sha256()
+        return fmt.digest(map_file(storage.path(rel)), checksum)
+    digest = fmt.hasher(checksum)
     with storage.open_binary(rel) as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def range_sha256(storage: Storage, rel: str, start: int, end: int) -> str:
-    """The sha256 of bytes [start, end) of a file: ranged reads of HASH_CHUNK (locally a memory map).
+def range_digest(storage: Storage, rel: str, start: int, end: int, checksum: str) -> str:
+    """The digest of bytes [start, end) of a file: ranged reads of HASH_CHUNK (locally a memory map).
     ValueError if the file ends before `end`."""
     if storage.is_local:
         buf = map_file(storage.path(rel))
         if end > len(buf):
             raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
-        return hashlib.sha256(memoryview(buf)[start:end]).hexdigest()
-    digest = hashlib.sha256()
+        return fmt.digest(memoryview(buf)[start:end], checksum)
+    digest = fmt.hasher(checksum)
     for at in range(start, end, HASH_CHUNK):
         want = min(at + HASH_CHUNK, end) - at
         chunk = storage.read_range(rel, at, at + want)

@@ -15,9 +15,10 @@ object or lies past the stream's final shard. A stream the new run.json no longe
 fewer streams) is deleted whole: no reader of the run looks there.
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
-bounded queues (when storage falls behind the producer waits; nothing is dropped); `ResumePoint` says where
-each stream stands after its chain of committed shards (harvest.store.listing.read_chain, strict: the one
-reader of committed state).
+bounded queues (when storage falls behind the producer waits; nothing is dropped); a shard's data object
+is written as soon as it closes, beside the stream's earlier ones (each has its own name: writing commits
+nothing), and its sidecar is created in order. `ResumePoint` says where each stream stands after its chain
+of committed shards (harvest.store.listing.read_chain, strict: the one reader of committed state).
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ class _Encoded:
 
     shard: ClosedShard
     parts: list
-    digest: concurrent.futures.Future
     tensor_digests: dict[str, concurrent.futures.Future]
     stats: dict[str, concurrent.futures.Future]
+    written: concurrent.futures.Future
 
 
 def resume_point(storage: Storage, stream: int) -> ResumePoint:
@@ -154,12 +155,13 @@ def wipe(storage: Storage, stream: int, guard: Callable[[int], None], *, keep: s
                         and (fmt.data_file_shard(name) is None or name in named))
 
 
-def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callable[[int], None]) -> None:
-    """Write `data` as the object `sidecar` names, then commit it by creating the sidecar only if absent.
-    Raises CommitLost when another writer committed the shard first (this one's object is deleted)."""
+def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard: Callable[[int], None]) -> None:
+    """Write `data` as the object `sidecar` names (None: written already, by `write_data`), then commit it by
+    creating the sidecar only if absent. Raises CommitLost when another writer committed the shard first (this
+    one's object is deleted)."""
     directory = fmt.stream_dir(sidecar.stream)
-    guard(sidecar.stream)
-    storage.write_bytes(f"{directory}/{sidecar.file}", data)
+    if data is not None:
+        write_data(storage, sidecar.stream, sidecar.file, data, guard)
     guard(sidecar.stream)
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
     if storage.create_exclusive(f"{directory}/{sidecar_name(sidecar.shard)}", sidecar.to_bytes()):
@@ -171,6 +173,12 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callab
     raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
                      "that took the stream over, or one that lost it and had not stopped yet); this worker stopped "
                      "writing the stream and its copy was not committed")
+
+
+def write_data(storage: Storage, stream: int, file: str, data: bytes | list, guard: Callable[[int], None]) -> None:
+    """Write a shard's data object (`file`, a name only this attempt writes), once `guard` confirms the lease."""
+    guard(stream)
+    storage.write_bytes(f"{fmt.stream_dir(stream)}/{file}", data)
 
 
 def _test_stop_before_commit(stream: int, shard: int) -> None:
@@ -192,19 +200,27 @@ class Committer:
     `attempt` names this writer's data objects. `guard(stream)` runs before each write of a stream and raises
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
-    when another writer committed a shard of the stream first.
+    when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
+    (format.CHECKSUMS; default format.default_checksum()).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
                  guard: Callable[[int], None] | None = None,
-                 on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2):
+                 on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2,
+                 checksum: str | None = None):
         self.storage = storage
         self.attempt = attempt
-        # A shard's stats (per tensor) and checksums run here, beside its data write: one stream's shards
-        # use every core this process may run on (its affinity, as a container or taskset limits it), not one
-        # (numpy and hashlib let go of the GIL).
+        self.checksum = checksum or fmt.default_checksum()
+        # A shard's stats and checksums (per tensor: one pass over its bytes, the file's digest derived from
+        # them) run here, beside its data write: one stream's shards use every core this process may run on
+        # (its affinity, as a container or taskset limits it), not one (numpy, hashlib and xxhash let go of
+        # the GIL).
         self._work = concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)),
                                                            thread_name_prefix="commit-work")
+        # Data objects are written as soon as their shard closes, several at a time (each has its own name),
+        # and committed in order by the stream's thread: one stream's writes and fsyncs overlap.
+        self._writes = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(os.sched_getaffinity(0))),
+                                                             thread_name_prefix="commit-write")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
         self.on_lost = on_lost or (lambda stream, error: None)
@@ -215,9 +231,9 @@ class Committer:
         for thread in self._threads:
             thread.start()
     def submit(self, shard: ClosedShard) -> None:
-        """Starts the shard's checksum and stats on the pool at once, so that a stream's next shards are hashed
-        while this one is written (shards commit one after another; their hashing need not). Blocks while that
-        thread's queue is full (storage behind): compute waits, nothing is dropped."""
+        """Starts the shard's checksums, stats and data write at once, so that a stream's next shards are hashed
+        and written while this one commits (sidecars are created one after another; the rest need not be).
+        Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped."""
         q = self._queues[shard.stream % len(self._queues)]
         encoded = self._encode(shard)
         while True:
@@ -239,6 +255,7 @@ class Committer:
         for thread in self._threads:
             thread.join()
         self._work.shutdown()
+        self._writes.shutdown()
         self.check()
 
     def _run(self, q: queue.Queue) -> None:
@@ -266,24 +283,29 @@ class Committer:
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        return _Encoded(shard, parts, self._work.submit(fmt.sha256, parts),
-                        {name: self._work.submit(fmt.sha256, blocks) for name, blocks in fmt.tensor_parts(parts).items()},
+        return _Encoded(shard, parts,
+                        {name: self._work.submit(fmt.digest, blocks, self.checksum)
+                         for name, blocks in fmt.tensor_parts(parts).items()},
                         {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
-                         for name, blocks in shard.tensors.items() if name in shard.moments})
+                         for name, blocks in shard.tensors.items() if name in shard.moments},
+                        self._writes.submit(write_data, self.storage, shard.stream,
+                                            fmt.shard_file(shard.shard, self.attempt), parts, self.guard))
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
+        tensors = {name: future.result() for name, future in encoded.tensor_digests.items()}
         manifest = Sidecar.of_shard(
-            parts, digest=encoded.digest.result(), stream=shard.stream, shard=shard.shard, attempt=self.attempt,
+            parts, checksum=self.checksum, digests=(fmt.file_digest(parts, tensors, self.checksum), tensors),
+            stream=shard.stream, shard=shard.shard, attempt=self.attempt,
             start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
-            tensor_sha256={name: future.result() for name, future in encoded.tensor_digests.items()},
             quantization=shard.quantization,
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
+        encoded.written.result()
         try:
-            commit(self.storage, manifest, parts, self.guard)
+            commit(self.storage, manifest, None, self.guard)
         except CommitLost as e:
             self.on_lost(shard.stream, e)
             raise

@@ -17,6 +17,13 @@ variant = which of the pieces a record gave (ARC augmentations, chunks of a long
 holds a contiguous run of one stream's pieces; its sidecar records `start`/`next` (positions) and
 `row_start`, the position where the packed row holding `next` begins, from which a resume re-packs.
 
+Checksums, in the sidecar: `checksum` names the algorithm (xxh3_128 by default, ~20x faster than sha256, so
+writing the bytes costs one write and no more; or sha256), `tensor_digests` each tensor's bytes (a ranged read
+checks what it fetched), `digest` the file's: the digest of the header's digest followed by each tensor's in
+file order, so one pass over the bytes gives them all (`shard_digests`). Sidecars written before `checksum`
+existed hold the whole file's sha256 (`sha256`) and each tensor's (`tensor_sha256`): they read, verify and
+resume as before (harvest.store.records.Sidecar).
+
 run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
 hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
 special_token_ids (left out of SAE batches), dtype, compute_dtype, quantization (int8 and
@@ -219,12 +226,75 @@ def tensor_parts(parts: list) -> dict[str, list]:
     return grouped
 
 
-def sha256(data: bytes | np.ndarray | list) -> str:
-    """Hex sha256 of bytes (or one array's), or of parts written one after another."""
-    digest = hashlib.sha256()
+try:
+    import xxhash
+except ImportError:  # a host without it writes sha256 shards, and says how to read xxh3_128 ones
+    xxhash = None
+
+CHECKSUMS = ("xxh3_128", "sha256")  # what a sidecar's `checksum` may name
+
+
+def default_checksum() -> str:
+    """What new shards carry: xxh3_128 (~20x sha256's speed here, so the host's bytes cost one write, not a
+    hash), sha256 where the xxhash package is missing."""
+    return "xxh3_128" if xxhash is not None else "sha256"
+
+
+def hasher(checksum: str):
+    """A fresh hash object of the algorithm a sidecar names. ValueError for one this harvest cannot compute."""
+    if checksum == "sha256":
+        return hashlib.sha256()
+    if checksum == "xxh3_128":
+        if xxhash is None:
+            raise ValueError("its checksum is xxh3_128, which needs the xxhash package: pip install xxhash==4.1.0")
+        return xxhash.xxh3_128()
+    raise ValueError(f"unknown checksum {checksum!r} (this harvest knows {', '.join(CHECKSUMS)}); upgrade harvest")
+
+
+def digest(data: bytes | np.ndarray | list, checksum: str) -> str:
+    """Hex digest of bytes (or one array's), or of parts written one after another."""
+    h = hasher(checksum)
     for part in [data] if isinstance(data, (bytes, bytearray, memoryview, np.ndarray)) else data:
-        digest.update(part)
-    return digest.hexdigest()
+        h.update(part)
+    return h.hexdigest()
+
+
+def file_parts(data) -> list:
+    """A whole shard file's bytes as `shard_parts` gives them: its header, then each tensor's non-empty bytes in
+    file order (views, no copy). ValueError when the header cannot be read."""
+    shard_metadata(data)  # the header parses, within the file
+    view = memoryview(data).cast("B")
+    (n,) = struct.unpack("<Q", view[:8])
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+        header.pop("__metadata__", None)
+        spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1])) for e in header.values())
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise ValueError(f"not a readable safetensors header ({e})") from None
+    if any(not 0 <= a <= b <= len(view) - 8 - n for a, b in spans):
+        raise ValueError("not a readable safetensors file (a tensor lies past the end)")
+    return [view[:8 + n], *(view[8 + n + a : 8 + n + b] for a, b in spans if b > a)]
+
+
+def tensor_digests(parts: list, checksum: str) -> dict[str, str]:
+    """Each tensor's digest from a shard's parts (`shard_parts`, or `file_parts` of a whole file), in file order."""
+    return {name: digest(blocks, checksum) for name, blocks in tensor_parts(parts).items()}
+
+
+def file_digest(parts: list, tensors: dict[str, str], checksum: str) -> str:
+    """The file's checksum without a second pass over its data: the digest of the header's digest followed by
+    each tensor's (`tensors`, in file order). It covers every byte: the data is the tensors back to back, as the
+    header says (safetensors refuses a file with gaps, and a sidecar records the file's size)."""
+    h = hasher(checksum)
+    for d in [digest(parts[0], checksum), *tensors.values()]:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
+def shard_digests(parts: list, checksum: str) -> tuple[str, dict[str, str]]:
+    """(the file's digest, {tensor: digest}) in one pass over a shard's bytes (`shard_parts` or `file_parts`)."""
+    tensors = tensor_digests(parts, checksum)
+    return file_digest(parts, tensors, checksum), tensors
 
 
 @dataclasses.dataclass

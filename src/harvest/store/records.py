@@ -124,10 +124,14 @@ class Sidecar(Record):
     `skipped`: bad records and skipped long samples in the range, each {sample_id, location, reason}.
     `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
     through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
-    `file`, `bytes`, `sha256`: the data object this sidecar commits (its name carries the writing attempt's
-    id); `tensor_sha256`: each tensor's bytes in it, so a ranged read verifies what it fetched (None in
-    sidecars written before harvest recorded them). `quantization`: {dtype, scheme} where the tensors are
-    stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
+    `file`, `bytes`, `digest`: the data object this sidecar commits (its name carries the writing attempt's
+    id) and its checksum; `tensor_digests`: each tensor's bytes in it, so a ranged read verifies what it
+    fetched. `checksum` names the algorithm (format.CHECKSUMS) and `digest` is the digest of the header's
+    digest and each tensor's in file order (format.file_digest): one pass over the bytes gives both.
+    A sidecar written before `checksum` existed has None there and the keys `sha256` (the whole file's
+    sha256) and `tensor_sha256` (each tensor's; null in still older ones) on storage: it reads into
+    `digest` and `tensor_digests` and writes back under those keys. `quantization`: {dtype, scheme} where the
+    tensors are stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
     of each sample's first token alone (before quantization), to tell how much the attention sinks hold.
     """
 
@@ -136,7 +140,7 @@ class Sidecar(Record):
     shard: int
     file: str
     bytes: int
-    sha256: str
+    digest: str
     start: fmt.Position
     next: fmt.Position
     row_start: fmt.Position
@@ -147,23 +151,64 @@ class Sidecar(Record):
     long: dict
     final: bool
     records: int
-    tensor_sha256: dict | None = None
+    tensor_digests: dict | None = None
     quantization: dict | None = None
     first_stats: dict | None = None
+    checksum: str | None = None  # None: an older sidecar (the whole file's sha256, per-tensor sha256)
 
     @classmethod
     def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
-                 digest: str | None = None, **fields: Any) -> Sidecar:
+                 checksum: str | None = None, digests: tuple[str, dict[str, str]] | None = None,
+                 **fields: Any) -> Sidecar:
         """The sidecar of shard bytes `data` (or its parts, as format.shard_parts gives them), written by
-        `attempt`: names, size and checksum (`digest`, when already computed) from them; `stats` as
-        RunningStats."""
-        size = sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data)
+        `attempt`: names, size and checksums by `checksum` (default: format.default_checksum()) from them,
+        or `digests` (format.shard_digests) when already computed; `stats` as RunningStats."""
+        checksum = checksum or fmt.default_checksum()
+        digest, tensors = digests or fmt.shard_digests(data if isinstance(data, list) else fmt.file_parts(data),
+                                                       checksum)
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
-                   file=fmt.shard_file(shard, attempt), bytes=size, sha256=digest or fmt.sha256(data),
+                   file=fmt.shard_file(shard, attempt),
+                   bytes=sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data),
+                   digest=digest, tensor_digests=tensors, checksum=checksum,
                    stats={name: s.to_json() for name, s in stats.items()}, **fields)
+
+    @property
+    def algorithm(self) -> str:
+        """The algorithm of `digest` and `tensor_digests` (sha256 in older sidecars)."""
+        return self.checksum or "sha256"
+
+    def mismatch(self, data) -> str | None:
+        """What in a whole data object's bytes differs from this sidecar (size, a tensor's digest, the file's),
+        None when nothing does. An older sidecar's file digest is the plain sha256 of the bytes."""
+        if len(data) != self.bytes:
+            return f"the file is {len(data)} bytes, its sidecar says {self.bytes} (cut short or replaced)"
+        parts = fmt.file_parts(data)
+        if self.checksum is None:
+            tensors = fmt.tensor_digests(parts, "sha256") if self.tensor_digests else {}
+            whole = fmt.digest(data, "sha256")
+        else:
+            whole, tensors = fmt.shard_digests(parts, self.checksum)
+        for name, want in (self.tensor_digests or {}).items():
+            if tensors.get(name) != want:
+                return f"checksum mismatch in tensor {name} ({self.algorithm} {str(want)[:12]}... in the sidecar)"
+        if whole != self.digest:
+            return (f"checksum mismatch: {self.algorithm} {whole[:16]}..., sidecar says {self.digest[:16]}... "
+                    f"(corrupted or overwritten)")
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        obj = super().to_json()
+        if self.checksum is None:  # an older sidecar keeps its own keys
+            obj["sha256"] = obj.pop("digest")
+            obj.pop("checksum")
+            obj["tensor_sha256"] = obj.pop("tensor_digests")
+        return obj
 
     @classmethod
     def from_json(cls, obj: Any) -> Sidecar:
+        if isinstance(obj, dict) and "checksum" not in obj:  # older: the sha256 keys (see the class doc)
+            obj = {("digest" if k == "sha256" else "tensor_digests" if k == "tensor_sha256" else k): v
+                   for k, v in obj.items()}
         sidecar = super().from_json(obj)
         for name in ("start", "next", "row_start"):
             if len(getattr(sidecar, name)) != 2:

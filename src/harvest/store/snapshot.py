@@ -3,7 +3,7 @@
 A `Snapshot` is plain data (a URL, a RunInfo and Sidecars), so it can be handed to data-loader workers or
 other ranks: every reader given the same one reads the same shards, however far the run has grown since.
 Totals and merged stats come from the sidecars alone; `read_shard` and `shard_samples` decode a shard's
-data object whole (status/inspect, sample access), each tensor checked against the sidecar's sha256 as it is
+data object whole (status/inspect, sample access), checked against the sidecar's checksums as it is
 decoded (one pass over bytes already in memory); token batches read ranges instead (harvest.read).
 """
 
@@ -85,8 +85,8 @@ class Snapshot:
         keep = {"tokens", *names, *map(quant.scale_name, names)}
 
         def slimmed(sc: Sidecar) -> Sidecar:
-            sums = None if sc.tensor_sha256 is None else {k: v for k, v in sc.tensor_sha256.items() if k in keep}
-            return dataclasses.replace(sc, stats={}, skipped=[], tensor_sha256=sums, first_stats=None)
+            sums = None if sc.tensor_digests is None else {k: v for k, v in sc.tensor_digests.items() if k in keep}
+            return dataclasses.replace(sc, stats={}, skipped=[], tensor_digests=sums, first_stats=None)
 
         return dataclasses.replace(self, shards=tuple(map(slimmed, self.shards)))
 
@@ -175,20 +175,14 @@ def shard_path(sidecar: Sidecar) -> str:
 
 def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
     """All tensors of one committed shard (8-bit codes as float32 values), read whole, decoded and checked
-    against its sidecar: the size, and each tensor's sha256 (the whole file's in a sidecar from before
-    per-tensor ones). CorruptShardError in one line naming the shard when they do not match."""
+    against its sidecar: the size, each tensor's digest and the file's (Sidecar.mismatch).
+    CorruptShardError in one line naming the shard when they do not match."""
     rel = shard_path(sidecar)
     try:
         data = storage.read_bytes(rel)
-        if len(data) != sidecar.bytes:
-            raise ValueError(f"the file is {len(data)} bytes, its sidecar says {sidecar.bytes} (cut short or replaced)")
-        if sidecar.tensor_sha256 is None and fmt.sha256(data) != sidecar.sha256:
-            raise ValueError(f"its sha256 does not match its sidecar's ({sidecar.sha256[:12]}...)")
+        if mismatch := sidecar.mismatch(data):
+            raise ValueError(mismatch)
         tensors = fmt.decode_shard(data)
-        for name, want in (sidecar.tensor_sha256 or {}).items():
-            if name not in tensors or fmt.sha256(tensors[name].reshape(-1).view(np.uint8)) != want:
-                raise ValueError(f"the bytes of tensor {name!r} do not match their sha256 in the sidecar "
-                                 f"({want[:12]}...)")
         coded = [n[:-len(quant.SCALE_SUFFIX)] for n in tensors if n.endswith(quant.SCALE_SUFFIX)]
         return quant.dequantize_named(tensors, coded) if coded else tensors
     except ValueError as e:

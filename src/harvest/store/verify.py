@@ -14,10 +14,12 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
   with contiguous ranges: the first starts at [0, 0] and each `start` is the previous `next`;
   `records` never decreases; exactly one `final` shard, the last, and with known counts its `records`
   equals the stream's count;
-- each shard file's size and sha256 equal the sidecar's, and each tensor's bytes its sha256; it decodes as safetensors with format metadata
-  "harvest"; tokens [n_tokens] int32, offsets [samples+1] int64 from 0, non-decreasing, ending at
-  n_tokens; sample_ids [samples] int64; variants [samples] int32; each run.json tensor [n_tokens, width]
-  in the run's dtype and nothing else; the sidecar's samples/tokens and per-tensor stats counts agree;
+- each shard file's size and checksum equal the sidecar's, and each tensor's bytes its digest, in one pass
+  (Sidecar.mismatch: the file's digest is derived from its header's and tensors'; an older sidecar's is
+  the whole file's sha256); it decodes as safetensors with format metadata "harvest"; tokens [n_tokens]
+  int32, offsets [samples+1] int64 from 0, non-decreasing, ending at n_tokens; sample_ids [samples] int64;
+  variants [samples] int32; each run.json tensor [n_tokens, width] in the run's dtype and nothing else; the
+  sidecar's samples/tokens and per-tensor stats counts agree;
 - samples lie in the shard's [start, next) in strictly increasing (index, variant) order, their
   sample_ids follow the mapping (sample_id = index * num_streams + stream); skipped entries lie in the
   shard's range;
@@ -198,10 +200,9 @@ def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Si
     except UserError as e:
         problems.add(rel, f"unreadable ({e})")
         return None, None
-    if len(data) != sc.bytes or fmt.sha256(data) != sc.sha256:
-        problems.add(rel, f"checksum mismatch: {len(data)} bytes sha256 {fmt.sha256(data)[:16]}..., sidecar says "
-                          f"{sc.bytes} bytes sha256 {str(sc.sha256)[:16]}... (corrupted or overwritten)")
     try:
+        if mismatch := sc.mismatch(data):
+            problems.add(rel, mismatch)
         meta = fmt.shard_metadata(data)
         if meta.get("format") != "harvest":
             problems.add(rel, "safetensors metadata lacks format=harvest")
@@ -212,9 +213,6 @@ def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Si
         problems.add(rel, str(e))
         return None, None
     del data
-    for name, digest in (sc.tensor_sha256 or {}).items():
-        if name in t and fmt.sha256(np.ascontiguousarray(t[name]).reshape(-1).view(np.uint8)) != digest:
-            problems.add(rel, f"checksum mismatch in tensor {name} (corrupted or overwritten)")
     bad = []
     for name, (dtype, ndim) in _EXPECTED_ARRAYS.items():
         if name not in t:

@@ -1,0 +1,99 @@
+"""A shard's checksums: one pass over its bytes gives each tensor's digest, the file's is derived from them and
+the header's, the sidecar names the algorithm, and sidecars written before it did (the whole file's sha256)
+still read and verify. Checked against digests computed here with hashlib and xxhash directly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import xxhash
+
+from harvest.storage import Storage
+from harvest.store.commit import ClosedShard, Committer
+from harvest.store.listing import CorruptShardError, read_chain
+from harvest.store.records import Sidecar
+from harvest.store.snapshot import read_shard, shard_path
+
+HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def closed_shard(shard: int = 0) -> ClosedShard:
+    rng = np.random.default_rng(shard)
+    blocks = [rng.normal(size=(n, 8)).astype(ml_dtypes.bfloat16) for n in (3, 5)]  # two pieces, as captured
+    return ClosedShard(stream=0, shard=shard, tensors={"resid_post.1": blocks, "mlp_out.0": [b[:, :4] for b in blocks]},
+                       tokens=np.arange(8, dtype=np.int32), lengths=np.array([3, 5]), sample_ids=np.array([0, 2]),
+                       variants=np.zeros(2, np.int32), start=(0, 0), next=(2, 0), row_start=(2, 0), skipped=[],
+                       long={}, final=True, records=2, moments={name: ([None, None], [None, None])
+                                                                for name in ("resid_post.1", "mlp_out.0")})
+
+
+def committed(tmp_path, checksum: str | None) -> tuple[Storage, Sidecar, bytes]:
+    storage = Storage(str(tmp_path / checksum if checksum else tmp_path / "default"))
+    committer = Committer(storage, attempt="0123456789abcdef", checksum=checksum)
+    committer.submit(closed_shard())
+    committer.close()
+    (sidecar,) = read_chain(storage, 0)
+    return storage, sidecar, storage.read_bytes(shard_path(sidecar))
+
+
+def expected(data: bytes, algorithm: str) -> tuple[str, dict[str, str]]:
+    """The file's digest and each tensor's, from the safetensors header, as the format docstring defines them."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__")
+    spans = sorted((entry["data_offsets"], name) for name, entry in header.items())
+    tensors = {name: HASHES[algorithm](data[8 + n + a : 8 + n + b]).hexdigest() for (a, b), name in spans}
+    whole = HASHES[algorithm](HASHES[algorithm](data[: 8 + n]).digest()
+                              + b"".join(bytes.fromhex(d) for d in tensors.values()))
+    return whole.hexdigest(), tensors
+
+
+@pytest.mark.parametrize("checksum", [None, "sha256"], ids=["default", "sha256"])
+def test_the_committer_records_its_checksum_and_each_digest_checks_the_bytes(tmp_path, checksum):
+    storage, sidecar, data = committed(tmp_path, checksum)
+    algorithm = checksum or "xxh3_128"
+    assert sidecar.checksum == algorithm and json.loads(storage.read_bytes("stream_00000/shard_000000.json"))[
+        "checksum"] == algorithm
+    assert (sidecar.digest, sidecar.tensor_digests) == expected(data, algorithm)
+    assert sidecar.mismatch(data) is None and read_shard(storage, sidecar)["tokens"].tolist() == list(range(8))
+    header = int.from_bytes(data[:8], "little") + 8
+    in_header = data.index(b'"harvest"')  # the metadata: no tensor's bytes, only the file's digest covers it
+    for at, what in ((in_header + 2, f"checksum mismatch: {algorithm}"), (header + 3, "checksum mismatch in tensor"),
+                     (len(data) - 1, "checksum mismatch in tensor")):
+        flipped = bytearray(data)
+        flipped[at] ^= 0x01
+        assert what in (sidecar.mismatch(bytes(flipped)) or ""), at
+    assert "cut short" in sidecar.mismatch(data[:-1])
+
+
+def test_a_sidecar_written_before_the_checksum_field_reads_verifies_and_keeps_its_bytes(tmp_path):
+    storage, sidecar, data = committed(tmp_path, None)
+    old = {k: v for k, v in json.loads(sidecar.to_bytes()).items() if k not in ("checksum", "digest", "tensor_digests")}
+    old["sha256"] = hashlib.sha256(data).hexdigest()
+    old["tensor_sha256"] = expected(data, "sha256")[1]
+    raw = json.dumps(old, sort_keys=True).encode()
+    storage.write_bytes("stream_00000/shard_000000.json", raw)
+    (legacy,) = read_chain(storage, 0)
+    assert legacy.checksum is None and legacy.algorithm == "sha256" and legacy.digest == old["sha256"]
+    assert json.loads(legacy.to_bytes()) == old  # rewritten (a snapshot handed to workers) under its own keys
+    assert legacy.mismatch(data) is None and read_shard(storage, legacy)["tokens"].tolist() == list(range(8))
+    flipped = bytearray(data)
+    flipped[len(data) - 1] ^= 0x01
+    assert "checksum mismatch in tensor" in legacy.mismatch(bytes(flipped))
+    del old["tensor_sha256"]  # older still: the whole file's sha256 alone
+    oldest = Sidecar.from_json(old)
+    assert oldest.tensor_digests is None and oldest.mismatch(data) is None
+    assert "checksum mismatch: sha256" in oldest.mismatch(bytes(flipped))
+
+
+def test_a_checksum_this_harvest_does_not_know_is_one_line_when_read(tmp_path):
+    storage, sidecar, _ = committed(tmp_path, None)
+    other = Sidecar.from_bytes(sidecar.to_bytes().replace(b"xxh3_128", b"blake9"))
+    with pytest.raises(CorruptShardError) as e:
+        read_shard(storage, other)
+    assert "unknown checksum 'blake9'" in str(e.value) and "upgrade harvest" in str(e.value)
+    assert "\n" not in str(e.value)
