@@ -247,8 +247,12 @@ def parse_blocks(spec: str, base: PallasBlocks) -> PallasBlocks:
 
 
 @contextlib.contextmanager
-def blocks_override(spec: str):
-    """Within this block, programs traced with pallas-gpu use `spec`'s tiles (checked here, one line if bad)."""
+def blocks_override(spec: str | None):
+    """Within this block, programs traced with pallas-gpu use `spec`'s tiles (checked here, one line if bad);
+    None: the table's."""
+    if spec is None:
+        yield
+        return
     parse_blocks(spec, table_blocks(64, 2048))
     before = os.environ.get(BLOCKS_ENV)
     os.environ[BLOCKS_ENV] = spec
