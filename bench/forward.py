@@ -16,9 +16,15 @@ them into one numpy array as the product needs. Then jit compile time at two dep
 should stay flat because layers run under lax.scan. Calls are interleaved and warmed up (no compile in the
 timings).
 
+--pallas-blocks sweeps the pallas-gpu kernel's tiles (harvest.model.attention.pallas_blocks): one row per
+choice, "table" being the table's own; a choice the chip cannot compile (Triton out of shared memory, say)
+prints its error in its row and the sweep goes on.
+
 Run:  .venv/bin/python bench/forward.py            (defaults take ~2-3 minutes on 2 CPU cores)
       python bench/forward.py --preset 0.5b --shapes 16x2048 --no-hf      (a TPU VM or a GPU node: dense vs
                                                                            splash / pallas-gpu, bf16)
+      python bench/forward.py --preset 0.5b --shapes 16x2048 --no-hf --attention pallas-gpu --iters 3 \
+          --pallas-blocks table,128x128w4s2,64x64w4s2,128x64w4s3,128x128w8s3      (a GPU: the tiles' sweep)
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ from shapes import PRESETS, mean_context, model_config, packed_segments
 from table import show
 
 from harvest.model import default_compute_dtype
-from harvest.model.attention import resolve
+from harvest.model.attention import (LANES, SPEC_HELP, AttentionError, blocks_override, pallas_blocks, parse_blocks,
+                                     resolve, table_blocks)
 from harvest.model.config import ModelConfig
 from harvest.model.flops import forward_flops_per_token
 from harvest.model.init import init_params
@@ -79,9 +86,21 @@ def parse_args() -> argparse.Namespace:
     k.add_argument("--points", default="resid_post:all", help="capture points (default resid_post:all)")
     k.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
     k.add_argument("--no-hf", action="store_true", help="skip the HF table (skipped anyway without torch)")
+    k.add_argument("--pallas-blocks", default="table", help=f"pallas-gpu tiles, one row each, comma-separated: "
+                   f"'table' (harvest's choice per head size and row) or {SPEC_HELP} (default table)")
     args = p.parse_args()
     args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    check_blocks(p, args.pallas_blocks)
     return args
+
+
+def check_blocks(parser: argparse.ArgumentParser, blocks: str) -> None:
+    """--pallas-blocks, each choice checked before any work (argparse's one-line error for a bad one)."""
+    for spec in blocks.split(","):
+        try:
+            spec == "table" or parse_blocks(spec, table_blocks(64, 2048))
+        except AttentionError as e:
+            parser.error(f"--pallas-blocks: {e}")
 
 
 def hf_config(args: argparse.Namespace, layers: int) -> transformers.Qwen2Config:
@@ -172,13 +191,43 @@ def compile_seconds(args: argparse.Namespace, layers: int) -> float:
 KERNEL_HEADER = ["rows/chip x seq", "attention", "median ms", "best ms", "tokens/s/chip", "x dense", "MFU"]
 
 
+def variants(kinds: list[str], blocks: str, head_dim: int, seq: int) -> list[tuple[str, str, str | None]]:
+    """(row label, kernel, tiles spec or None for the table's) per row: pallas-gpu once per --pallas-blocks
+    choice, labelled with the tiles it runs at `seq` (the kernel's padded row)."""
+    out = []
+    for kind in kinds:
+        for spec in blocks.split(",") if kind == "pallas-gpu" else ["table"]:
+            spec = None if spec == "table" else spec
+            with blocks_override(spec):
+                tiles = f"{pallas_blocks(head_dim, seq)}{' (table)' if spec is None else ''}"
+            out.append((f"{kind} {tiles}" if kind == "pallas-gpu" else kind, kind, spec))
+    return out
+
+
+def attempt(fn):
+    """fn(), or the one-line error that stopped it: a tiles choice the chip refuses (Triton out of shared
+    memory, say) is a result of the sweep, shown in its row."""
+    try:
+        return fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:100]}"
+
+
+def compiled_forward(cfg: ModelConfig, plan, kind: str, spec: str | None, mesh, args):
+    """The jitted forward compiled for `args` with `spec`'s pallas-gpu tiles, or the error that stopped it."""
+    one_device = mesh.devices.size == 1
+    run = jax.jit(partial(forward, cfg=cfg, plan=plan, attention=kind, constrain=None if one_device
+                          else constrainer(mesh), mesh=None if one_device else mesh))
+    with blocks_override(spec):
+        return attempt(lambda: run.lower(*args).compile())
+
+
 def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str, points: str, sample_len: int,
-                dtype: str, iters: int) -> list[list[str]]:
-    """KERNEL_HEADER rows: the jitted forward capturing `points` over packed rows, per shape and kernel, on every
-    device (data parallel), params drawn on the devices (harvest.model.init)."""
+                dtype: str, iters: int, blocks: str = "table") -> list[list[str]]:
+    """KERNEL_HEADER rows: the jitted forward capturing `points` over packed rows, per shape and kernel (and
+    pallas-gpu tiles choice), on every device (data parallel), params drawn on the devices (harvest.model.init)."""
     chips = jax.device_count()
     mesh = make_mesh(f"data={chips}")
-    one_device = chips == 1
     params = init_params(cfg, 0, mesh, dtype=dtype)
     plan = parse_points(points, cfg.num_layers)
     kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in shapes), mesh)
@@ -193,15 +242,18 @@ def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str,
                         for a in (host, segments))
         real = int(np.count_nonzero(segments))
         flops = forward_flops_per_token(cfg, mean_context(segments), plan.num_layers) * real
-        calls = []
-        for kind in kinds:
-            run = jax.jit(partial(forward, cfg=cfg, plan=plan, attention=kind, constrain=None if one_device
-                                  else constrainer(mesh), mesh=None if one_device else mesh))
-            calls.append(lambda run=run: jax.block_until_ready(run(params, tokens, segs)))
-        timings = dict(zip(kinds, time_calls(calls, iters)))
-        for kind, (median, best) in timings.items():
+        built = {label: compiled_forward(cfg, plan, kind, spec, mesh, (params, tokens, segs))
+                 for label, kind, spec in variants(kinds, blocks, cfg.head_dim, -(-seq // LANES) * LANES)}
+        ran = {label: fn for label, fn in built.items() if not isinstance(fn, str)}
+        calls = [lambda fn=fn: jax.block_until_ready(fn(params, tokens, segs)) for fn in ran.values()]
+        timings = dict(zip(ran, time_calls(calls, iters)))
+        for label, fn in built.items():
+            if label not in timings:
+                rows.append([f"{per_chip}x{seq}", label, "failed", fn, "", "", ""])
+                continue
+            median, best = timings[label]
             ratio = f"{timings['dense'][1] / best:.2f}x" if "dense" in timings else ""
-            rows.append([f"{per_chip}x{seq}", kind, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}",
+            rows.append([f"{per_chip}x{seq}", label, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}",
                          f"{real / best / chips:,.0f}", ratio, f"{flops / best / (peak * chips):.1%}"])
     return rows
 
@@ -209,7 +261,8 @@ def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str,
 def kernels_table(args: argparse.Namespace, load: float) -> None:
     cfg = model_config(args.preset) if args.preset else ModelConfig.from_hf(hf_config(args, args.layers).to_dict())
     dtype = args.dtype or default_compute_dtype()
-    rows = kernel_rows(cfg, args.shapes, args.attention, args.points, args.sample_len, dtype, args.iters)
+    rows = kernel_rows(cfg, args.shapes, args.attention, args.points, args.sample_len, dtype, args.iters,
+                       args.pallas_blocks)
     chips = jax.device_count()
     footer = (f"{args.preset or 'custom'}: {cfg.num_layers} layers, d={cfg.hidden_size}, heads {cfg.num_heads}/"
               f"{cfg.num_kv_heads} kv; capturing {args.points}; rows packed with samples ~{args.sample_len} tokens; "

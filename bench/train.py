@@ -13,6 +13,8 @@ Run:  .venv/bin/python bench/train.py                        (small model on CPU
       python bench/train.py --preset 0.5b --batch 16 --seq 2048                 (on a TPU VM or a GPU node:
                                                    dense vs the backend's kernel, splash or pallas-gpu)
       python bench/train.py --preset 7b --batch 8 --seq 2048 --mesh fsdp=8 --remat layer
+      python bench/train.py --preset 0.5b --batch 16 --seq 2048 --attention pallas-gpu --iters 3 \
+          --pallas-blocks table,128x128w4s2b32x32         (a GPU: the tiles' sweep, as bench/forward.py's)
 On CPU the kernels run only in Pallas interpret mode (a test device, not a speed): `auto` resolves to dense.
 """
 
@@ -29,11 +31,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/table.py
+from forward import attempt, check_blocks, variants
 from shapes import PRESETS, hf_fields, mean_context, model_config, packed_segments
 from table import show
 
 from harvest.model import default_compute_dtype
-from harvest.model.attention import resolve
+from harvest.model.attention import LANES, SPEC_HELP, blocks_override, resolve
 from harvest.model.flops import forward_flops_per_token
 from harvest.model.init import init_params
 from harvest.runtime.chips import peak_flops_per_device
@@ -55,7 +58,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--mesh", default=None, help="mesh (default: every device on fsdp)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per row (default 5)")
-    return p.parse_args()
+    p.add_argument("--pallas-blocks", default="table", help=f"pallas-gpu tiles, rows for each, comma-separated: "
+                   f"'table' (harvest's choice per head size and row) or {SPEC_HELP} (default table)")
+    args = p.parse_args()
+    check_blocks(p, args.pallas_blocks)
+    return args
 
 
 def timed(fn, iters: int) -> list[float]:
@@ -72,8 +79,9 @@ STEP_HEADER = ["attention", "what", "median ms", "best ms", "tokens/s/chip", "x 
 
 
 def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention: str, remat: str, dtype: str,
-              mesh_spec: str | None, iters: int) -> tuple[list[list[str]], str]:
-    """STEP_HEADER rows (forward-only loss and a train step per remat policy, per kernel) and the table's footer."""
+              mesh_spec: str | None, iters: int, blocks: str = "table") -> tuple[list[list[str]], str]:
+    """STEP_HEADER rows (forward-only loss and a train step per remat policy, per kernel and pallas-gpu tiles
+    choice) and the table's footer."""
     model = model_config(preset)
     mesh = make_mesh(mesh_spec or f"fsdp={jax.device_count()}")
     batch = (batch_rows, seq)
@@ -93,26 +101,30 @@ def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention
     kinds = list(dict.fromkeys(resolve(k, model.sliding_windows, seq, mesh, backward=True)
                                for k in attention.split(",")))
 
-    results = []  # (kind, what, seconds per step, FLOPs per step)
-    for kind in kinds:
-        forward = jax.jit(partial(loss_sum, cfg=model, compute_dtype=dtype, remat="none", attention=kind,
-                                  mesh=mesh))
-        results.append((kind, "forward only", timed(lambda f=forward: f(params, tokens, segments), iters),
-                        useful / 3))
-        for policy in remat.split(","):
-            step = make_step(model, mesh, optimizer, shardings, compute_dtype=dtype, remat=policy, grad_accum=1,
-                             batch_shape=batch, lr_at=learning_rate(cfg), attention=kind)
-            box = [init_state(params, optimizer, shardings)]
+    results = []  # (kind, what, seconds per step or the error that stopped it, FLOPs per step)
+    for label, kind, spec in variants(kinds, blocks, model.head_dim, -(-seq // LANES) * LANES):
+        with blocks_override(spec):  # programs trace (so take their tiles) in their first, warm-up call
+            forward = jax.jit(partial(loss_sum, cfg=model, compute_dtype=dtype, remat="none", attention=kind,
+                                      mesh=mesh))
+            results.append((label, "forward only",
+                            attempt(lambda f=forward: timed(lambda: f(params, tokens, segments), iters)), useful / 3))
+            for policy in remat.split(","):
+                step = make_step(model, mesh, optimizer, shardings, compute_dtype=dtype, remat=policy, grad_accum=1,
+                                 batch_shape=batch, lr_at=learning_rate(cfg), attention=kind)
+                box = [init_state(params, optimizer, shardings)]
 
-            def run(step=step, box=box):
-                box[0], metrics = step(box[0], tokens, segments)
-                return metrics["loss"]
+                def run(step=step, box=box):
+                    box[0], metrics = step(box[0], tokens, segments)
+                    return metrics["loss"]
 
-            results.append((kind, f"train step, remat {policy}", timed(run, iters), useful))
+                results.append((label, f"train step, remat {policy}", attempt(lambda: timed(run, iters)), useful))
 
     dense_best = {what: min(times) for kind, what, times, _ in results if kind == "dense"}
     rows = []
     for kind, what, times, flops in results:
+        if isinstance(times, str):
+            rows.append([kind, what, "failed", times, "", "", ""])
+            continue
         best, median = min(times), statistics.median(times)
         ratio = f"{dense_best[what] / best:.2f}x" if what in dense_best else ""
         rows.append([kind, what, f"{median * 1e3:,.1f}", f"{best * 1e3:,.1f}", f"{real / best / chips:,.0f}", ratio,
@@ -129,7 +141,7 @@ def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention
 def main() -> None:
     args = parse_args()
     rows, footer = step_rows(args.preset, args.batch, args.seq, args.sample_len, args.attention, args.remat,
-                             args.dtype or default_compute_dtype(), args.mesh, args.iters)
+                             args.dtype or default_compute_dtype(), args.mesh, args.iters, args.pallas_blocks)
     show("harvest train step: tokens/s per chip by attention kernel", STEP_HEADER, rows, footer)
 
 

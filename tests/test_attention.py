@@ -17,7 +17,8 @@ import pytest
 from test_extract import assert_equal_to_hf, extract, stored_samples, write_jsonl
 
 from harvest.demo import demo_checkpoint
-from harvest.model.attention import AttentionError, attention_of, resolve
+from harvest.model.attention import (BLOCKS_ENV, AttentionError, attention_of, blocks_override, pallas_blocks,
+                                     resolve)
 from harvest.runtime.mesh import make_mesh
 
 
@@ -48,7 +49,6 @@ CASES = {  # kind, rows' sample lengths, seq, query heads, kv heads, window, mes
     "splash-mesh-heads-in-kv-groups": ("splash", [[50, 40, 30], [128], [3, 60], [70]], 128, 8, 2, None,
                                        "data=2,model=4"),
     "splash-mesh-kv-split": ("splash", [[50, 40, 30], [128], [3, 60], [70]], 128, 8, 2, 30, "data=2,fsdp=2,model=2"),
-    "pallas-gpu-gqa8/2": ("pallas-gpu", [[50, 40, 30], [128], [3, 60]], 128, 8, 2, None, None),
     "pallas-gpu-mha4/4-16-samples": ("pallas-gpu", [*SIXTEEN, [], [100]], 128, 4, 4, None, None),
     "pallas-gpu-mesh": ("pallas-gpu", [[120, 70], [200], [5], [190]], 200, 4, 4, None, "data=4,model=2"),
     "splash-2048": ("splash", [[300, 700, 48, 1000]], 2048, 2, 1, None, None),
@@ -77,6 +77,60 @@ def test_kernel_equals_the_dense_reference_values_and_gradients(case):
     assert_close(out, want, "values")
     for name, ours, theirs in zip("qkv", grads, want_grads):
         assert_close(ours, theirs, f"d{name}")
+
+
+def pallas_calls(jaxpr) -> list:
+    """The pallas_call equations in `jaxpr` and its sub-jaxprs (custom_vjp, pjit, ...)."""
+    found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
+    return found + [eqn for sub in jax.extend.core.subjaxprs(jaxpr) for eqn in pallas_calls(sub)]
+
+
+TILES = {  # head_dim, pallas-gpu tiles ($HARVEST_PALLAS_BLOCKS; None: the table's), rows' sample lengths, seq
+    "d64-table": (64, None, [[100, 50, 100], [256]], 256),
+    "d64-jax-defaults": (64, "128x128w4s2b32x32", [[100, 50, 100], [256]], 256),
+    "d128-table-short-row": (128, None, [[70, 58], [3, 120]], 128),
+}
+
+
+@pytest.mark.parametrize("case", list(TILES))
+def test_pallas_gpu_tiles_give_the_dense_values_and_gradients(case):
+    """The tiles of the table and of a GPU sweep (bench/forward.py --pallas-blocks) at Qwen2.5-0.5B's head size
+    (64) and 7B's (128), GQA 4/2: values and gradients equal the dense ones, and the forward kernel reads the
+    kv heads themselves (never a copy repeated to the query heads)."""
+    dim, spec, lengths, seq = TILES[case]
+    segments = packed_segments(lengths, seq)
+    rng = np.random.default_rng(dim)
+    q, k, v = (jnp.asarray(rng.standard_normal((len(lengths), seq, n, dim)), jnp.float32) for n in (4, 2, 2))
+    weights = jnp.asarray(rng.standard_normal(q.shape) * (segments != 0)[:, :, None, None], jnp.float32)
+
+    def values_and_grads(kind, q, k, v, weights):
+        out, pull = jax.vjp(attend(kind, segments, None), q, k, v)
+        return out, pull(weights)
+
+    with blocks_override(spec):
+        traced = jax.make_jaxpr(attend("pallas-gpu", segments, None))(q, k, v)
+        (out, grads), (want, want_grads) = (jax.jit(values_and_grads, static_argnums=0)(name, q, k, v, weights)
+                                            for name in ("pallas-gpu", "dense"))
+    (kernel,) = pallas_calls(traced.jaxpr)
+    assert [tuple(x.aval.shape) for x in kernel.invars[1:3]] == [k.shape, v.shape]
+    assert_close(out, want, "values")
+    for name, ours, theirs in zip("qkv", grads, want_grads):
+        assert_close(ours, theirs, f"d{name}")
+
+
+def test_pallas_gpu_tiles_override_fills_in_from_the_table_and_bad_ones_are_one_line_errors(monkeypatch):
+    table = pallas_blocks(64, 2048)
+    monkeypatch.setenv(BLOCKS_ENV, "256x32w8")
+    tiles = pallas_blocks(64, 128)  # blocks longer than the row are cut to it, as the kernel does
+    assert (tiles.block_q, tiles.block_k, tiles.warps) == (128, 32, 8)
+    assert (tiles.stages, tiles.back_q, tiles.back_k) == (table.stages, min(table.back_q, 128), min(table.back_k, 128))
+    for spec, seq, words in (("256x32", 384, "block_q 256 does not divide the kernel's rows of 384"),
+                             ("128", 2048, "write QxK"), ("128x48", 2048, "blocks are 16, 32"),
+                             ("64x64w3", 2048, "warps are 1, 2, 4")):
+        monkeypatch.setenv(BLOCKS_ENV, spec)
+        with pytest.raises(AttentionError, match=words) as refused:
+            pallas_blocks(64, seq)
+        assert "\n" not in str(refused.value)
 
 
 def test_auto_picks_by_backend_and_refusals_are_one_line_errors():

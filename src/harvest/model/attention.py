@@ -13,8 +13,10 @@ segment, inside its layer's sliding window when it has one. Padding sees earlier
   pallas-gpu  the Pallas (Triton) flash kernel with segment ids. Chosen over cuDNN's packed path
               (q/kv offsets through jax's private cudnn module): this one is public API, and it runs here
               in interpret mode, so its values are tested on every commit; cuDNN's path can only be run
-              on a GPU. It has no GQA (k/v heads are repeated, linear in seq) and no sliding window
-              (a window shorter than the row is refused).
+              on a GPU. Its forward kernel is called with k/v index maps that send each query head to
+              its kv head (GQA: k/v are never repeated); the backward repeats them (see _gqa_backward).
+              Tiles per head size and row length (pallas_blocks). No sliding window (a window shorter
+              than the row is refused).
   auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it), blocks on a
               one-device CPU mesh for extraction, else dense on CPU.
 
@@ -26,10 +28,16 @@ they run under shard_map, heads over the mesh's `model` axis and rows over its d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import os
+import re
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
@@ -42,6 +50,7 @@ from harvest.runtime.mesh import logical_spec
 
 KERNEL_BACKEND = {"splash": "tpu", "pallas-gpu": "gpu"}
 LANES = 128  # kernel rows are padded to a multiple of this; splash blocks are multiples of it
+BLOCKS_ENV = "HARVEST_PALLAS_BLOCKS"  # pallas-gpu tiles for every head size and row (benchmarks sweep it)
 
 
 class AttentionError(UserError):
@@ -162,12 +171,150 @@ def _splash_kernel(seq: int, heads: int, window: int | None, interpret: bool):
                                       q_seq_shards=1, interpret=interpret)
 
 
+@dataclasses.dataclass(frozen=True)
+class PallasBlocks:
+    """Tiles of the Pallas GPU kernel: the forward's query x key blocks, warps per block and software-pipeline
+    stages, and the backward's dk/dv pass blocks (queries x keys; its dq pass takes them mirrored, keys x
+    queries, as the kernel's fused backward requires: as many dq query blocks as dk/dv key blocks). jax's
+    kernel uses the warps for both passes; its backward always runs 2 stages."""
+
+    block_q: int
+    block_k: int
+    warps: int
+    stages: int
+    back_q: int
+    back_k: int
+
+    def __str__(self) -> str:
+        return f"{self.block_q}x{self.block_k}w{self.warps}s{self.stages}b{self.back_q}x{self.back_k}"
+
+    def sizes(self) -> pallas_gpu.BlockSizes:
+        return pallas_gpu.BlockSizes(block_q=self.block_q, block_k=self.block_k, block_q_dkv=self.back_q,
+                                     block_kv_dkv=self.back_k, block_q_dq=self.back_k, block_kv_dq=self.back_q)
+
+
+SPEC = re.compile(r"(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?:b(\d+)x(\d+))?")
+SPEC_HELP = "QxK[wW][sS][bQxK], e.g. 128x64, 128x64w4s3, 64x64w4s2b32x128"
+
+
+BLOCK_FIELDS = ("block_q", "block_k", "back_q", "back_k")
+
+
+def table_blocks(head_dim: int, seq: int) -> PallasBlocks:
+    """The tiles for this head size and row length, chosen on paper until a GPU sweep (bench/forward.py
+    --pallas-blocks) measures them:
+
+      forward 128 queries x 64 keys, 3 stages; 4 warps for head_dim <= 64, 8 above: the configuration Triton's
+      flash-attention tutorial autotunes to on Hopper and Ampere (jax's defaults, 128 x 128 with 2 stages,
+      keep a [128, 128] fp32 score tile in the registers of 4 warps and fetch only one key block ahead).
+      Rows under 512 take 64-query blocks: a short row has few query blocks, and more, smaller blocks keep
+      the SMs busy.
+      backward 32 queries x 128 keys for dk/dv (and 128 x 32 for dq), the tutorial's split, for head_dim <=
+      64 (jax's default is 32 x 32: four times the passes over q for each key block); 64 x 64 above, where a
+      [128, head_dim] pair of fp32 dk/dv accumulators would spill registers."""
+    wide = head_dim > 64
+    return PallasBlocks(block_q=128 if seq >= 512 else 64, block_k=64, warps=8 if wide else 4, stages=3,
+                        back_q=64 if wide else 32, back_k=64 if wide else 128)
+
+
+def pallas_blocks(head_dim: int, seq: int) -> PallasBlocks:
+    """table_blocks, or $HARVEST_PALLAS_BLOCKS where set (the parts it leaves out from the table); blocks
+    longer than the (padded) row are cut to it, the kernel's own rule."""
+    spec = os.environ.get(BLOCKS_ENV)
+    chosen = parse_blocks(spec, table_blocks(head_dim, seq)) if spec else table_blocks(head_dim, seq)
+    fit = dataclasses.replace(chosen, **{name: min(getattr(chosen, name), seq) for name in BLOCK_FIELDS})
+    for name in BLOCK_FIELDS:
+        if seq % getattr(fit, name):
+            raise AttentionError(f"${BLOCKS_ENV}={spec}: {name} {getattr(fit, name)} does not divide the kernel's "
+                                 f"rows of {seq} tokens; use blocks of at most 128")
+    return fit
+
+
+def parse_blocks(spec: str, base: PallasBlocks) -> PallasBlocks:
+    """`spec` (SPEC_HELP) over `base`, or an AttentionError naming what is wrong."""
+    match = SPEC.fullmatch(spec.strip())
+    if not match:
+        raise AttentionError(f"pallas-gpu blocks {spec!r}: write {SPEC_HELP}")
+    q, k, warps, stages, back_q, back_k = (int(n) if n else None for n in match.groups())
+    blocks = dataclasses.replace(base, block_q=q, block_k=k, **{name: n for name, n in (
+        ("warps", warps), ("stages", stages), ("back_q", back_q), ("back_k", back_k)) if n is not None})
+    for name in BLOCK_FIELDS:
+        if getattr(blocks, name) not in (16, 32, 64, 128, 256):
+            raise AttentionError(f"pallas-gpu blocks {spec!r}: blocks are 16, 32, 64, 128 or 256 tokens")
+    if blocks.warps not in (1, 2, 4, 8, 16) or not 1 <= blocks.stages <= 6:
+        raise AttentionError(f"pallas-gpu blocks {spec!r}: warps are 1, 2, 4, 8 or 16 and stages 1 to 6")
+    return blocks
+
+
+@contextlib.contextmanager
+def blocks_override(spec: str | None):
+    """Within this block, programs traced with pallas-gpu use `spec`'s tiles (checked here, one line if bad);
+    None: the table's."""
+    if spec is None:
+        yield
+        return
+    parse_blocks(spec, table_blocks(64, 2048))
+    before = os.environ.get(BLOCKS_ENV)
+    os.environ[BLOCKS_ENV] = spec
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[BLOCKS_ENV]
+        else:
+            os.environ[BLOCKS_ENV] = before
+
+
 def _pallas_gpu(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
-    """The Pallas GPU kernel takes as many k/v heads as query heads: GQA's k/v are repeated (memory ~seq)."""
+    """The Pallas GPU kernel, causal within segments, with GQA by its k/v index maps (_gqa)."""
     assert window is None, "resolve refuses pallas-gpu with a limiting window"
-    rep = q.shape[2] // k.shape[2]
-    k, v = (jnp.repeat(x, rep, axis=2) for x in (k, v))
-    return pallas_gpu.mha(q, k, v, segment_ids, sm_scale=scale, causal=True, interpret=interpret)
+    return _gqa(q, k, v, segment_ids, scale, pallas_blocks(q.shape[-1], q.shape[1]), interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gqa(q, k, v, segment_ids, scale: float, blocks: PallasBlocks, interpret: bool):
+    return _gqa_forward(q, k, v, segment_ids, scale, blocks, interpret)[0]
+
+
+def _gqa_forward(q, k, v, segment_ids, scale, blocks, interpret):
+    """jax's forward kernel (pallas_gpu.mha_forward_kernel) on a grid of (query block, row, query head) as
+    pallas_gpu.mha builds it, but query head h reads kv head h // (heads / kv heads): no repeated k/v in
+    memory, and a group's query heads share their k/v in L2. Returns (out, (residuals)) as the backward
+    takes them."""
+    batch, seq, heads, dim = q.shape
+    rep = heads // k.shape[2]
+    padded = pl.next_power_of_2(dim)
+    kernel = functools.partial(pallas_gpu.mha_forward_kernel, sm_scale=scale, causal=True, block_q=blocks.block_q,
+                               block_k=blocks.block_k, head_dim=dim)
+    q_spec = pl.BlockSpec((None, blocks.block_q, None, padded), lambda i, b, h: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, seq, None, padded), lambda i, b, h: (b, 0, h // rep, 0))
+    out, lse = pl.pallas_call(
+        kernel, grid=(seq // blocks.block_q, batch, heads),
+        in_specs=[q_spec, kv_spec, kv_spec, pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))],
+        out_specs=[q_spec, pl.BlockSpec((None, None, blocks.block_q), lambda i, b, h: (b, h, i))],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.warps, num_stages=blocks.stages),
+        interpret=interpret, name="harvest_gqa_forward",
+    )(q, k, v, segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _gqa_backward(scale, blocks, interpret, residuals, d_out):
+    """jax's fused backward kernel (its private _mha_backward: the same in jax 0.10.2 and 0.11) over k/v
+    repeated to the query heads, each group's dk/dv then summed in fp32: the backward of GQA. Training
+    holds the repeated copy for one layer's backward at a time (memory ~seq)."""
+    q, k, v, segment_ids, out, lse = residuals
+    batch, seq, groups, dim = k.shape
+    rep = q.shape[2] // groups
+    k_all, v_all = (jnp.repeat(x, rep, axis=2) for x in (k, v))
+    dq, dk, dv, _ = pallas_gpu._mha_backward(scale, True, blocks.sizes(), "triton", blocks.warps, blocks.stages,
+                                             None, interpret, False, False,
+                                             (q, k_all, v_all, segment_ids, out, lse), d_out)
+    fold = lambda d, like: d.reshape(batch, seq, groups, rep, dim).sum(3, dtype=jnp.float32).astype(like.dtype)
+    return dq, fold(dk, k), fold(dv, v), None
+
+
+_gqa.defvjp(_gqa_forward, _gqa_backward)
 
 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
