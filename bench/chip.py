@@ -41,10 +41,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 HEADER = ["stage", "case", "result", "detail"]
 ROW = "CHIP-ROW "  # a stage's stdout lines that carry a table row (JSON)
+PALLAS_SWEEP = "table,128x128w4s2,64x64w4s2,128x64w4s3,128x128w8s3,64x128w4s3"  # bench/forward.py --pallas-blocks
 TOLERANCE = {"float32": 2e-3, "bfloat16": 3e-2}  # TF32 matmuls on a GPU give ~1e-3 in fp32
 # name: (limit in seconds on a chip, limit with --smoke), in the order they run: what matters most first, so
 # that a check cut short by --budget still answers it
-STAGES = {"extract": (200, 150), "forward": (100, 90), "train": (100, 90), "host": (75, 0), "parity": (60, 120),
+STAGES = {"extract": (200, 150), "forward": (130, 90), "train": (100, 90), "host": (75, 0), "parity": (60, 120),
           "forward-7b": (70, 0)}
 
 
@@ -191,9 +192,15 @@ def stage_forward(args: argparse.Namespace, work: Path, preset: str | None = Non
     if preset == "7b":
         shapes, points = [(8, 2048)], "resid_post:14"
     kinds = "auto" if preset == "7b" else "dense,auto"
+    # on a GPU the pallas-gpu tiles are swept: the table's first (what harvest runs), then the candidates
+    sweep = "table" if args.smoke or preset == "7b" or args.backend != "gpu" else PALLAS_SWEEP
     start = time.perf_counter()
     for shape, kind, _, best, tokens, ratio, mfu in kernel_rows(model_config(preset), shapes, kinds, points, 300,
-                                                                default_compute_dtype(), 2 if args.smoke else 5):
+                                                                default_compute_dtype(), 2 if args.smoke else 5,
+                                                                sweep):
+        if best == "failed" or not tokens:
+            emit(f"forward {preset}", f"{shape} {kind}", "FAILED", f"{best}: {tokens}"[:200])
+            continue
         emit(f"forward {preset}", f"{shape} {kind}", f"{tokens} tokens/s/chip, MFU {mfu}",
              f"best {best} ms{', ' + ratio + ' dense' if ratio and kind != 'dense' else ''}; {points}; "
              f"stage {time.perf_counter() - start:.0f} s")
@@ -260,7 +267,7 @@ def stage_extract(args: argparse.Namespace, work: Path) -> None:
              f"{captured} layers, {batch}x{seq}")
         started = re.search(r"^start-up: (.*)$", text, re.M)
         if started:
-            emit("extract", f"{name.split(',')[0]} start-up", started.group(1).split("(")[0].strip(),
+            emit("extract", "  start-up of the run above", started.group(1).split("(")[0].strip(),
                  started.group(1)[len(started.group(1).split("(")[0]):].strip())
         if name == "harvest extract --attention auto":
             emit("extract", "harvest pipeline", f"{pipeline:,.0f} tokens/s", "over the forward alone: see below")
@@ -359,7 +366,7 @@ def check(args: argparse.Namespace) -> list[list[str]]:
             rows.append([stage, "-", "FAILED", failure(code, limit, log)])
     pipeline = next((r for r in rows if r[:2] == ["extract", "harvest pipeline"]), None)
     forward = next((r for r in rows if r[0].startswith("forward") and r[0] != "forward 7b" and "tokens/s" in r[2]
-                    and r[1].endswith(" " + resolved_auto(rows))), None)
+                    and r[1].split()[1] == resolved_auto(rows)), None)
     if pipeline and forward:
         ratio = number(pipeline[2]) / number(forward[2])
         pipeline[3] = f"{ratio:.0%} of the forward alone ({forward[1]}, same capture points)"
@@ -367,8 +374,8 @@ def check(args: argparse.Namespace) -> list[list[str]]:
 
 
 def resolved_auto(rows: list[list[str]]) -> str:
-    """The kernel `auto` became: the forward rows' last kind."""
-    kinds = [r[1].split()[-1] for r in rows if r[0].startswith("forward") and "tokens/s" in r[2]]
+    """The kernel `auto` became: the forward rows' last kind (a row's case: "ROWSxSEQ KIND [TILES]")."""
+    kinds = [r[1].split()[1] for r in rows if r[0].startswith("forward") and "tokens/s" in r[2]]
     return kinds[-1] if kinds else "auto"
 
 
