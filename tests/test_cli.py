@@ -84,3 +84,28 @@ def test_bad_flag_values_end_in_one_line_exit_2(tmp_path):
 def test_help_names_the_commands(tmp_path):
     result = harvest("--help", tmp_path=tmp_path)
     assert result.returncode == 0 and "demo" in result.stdout
+
+
+def test_harvest_runs_from_a_source_tree_that_was_never_installed(tmp_path):
+    """An accelerator host runs harvest from a checkout's src/ on PYTHONPATH, with no package metadata: the
+    version that run.json and --version record says so instead of failing every command."""
+    import shutil
+
+    import harvest
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.dirname(harvest.__file__), src / "harvest")
+    code = ("import importlib.metadata as m, sys\n"
+            "real = m.version\n"
+            "def version(name):\n"
+            "    if name == 'harvest':\n"
+            "        raise m.PackageNotFoundError(name)\n"
+            "    return real(name)\n"
+            "m.version = version\n"
+            "sys.argv = ['harvest', '--version']\n"
+            "from harvest.cli import main\n"
+            "main()\n")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(src)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert done.stdout.strip() == "harvest 0+source"

@@ -231,7 +231,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
+    from harvest.version import harvest_version
 
     from harvest.config import ExtractConfig
 
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="e.g. harvest extract --model Qwen/Qwen2.5-0.5B --data tasks.jsonl --format arc "
         "--points resid_post:12-23 --out gs://bucket/run1",
     )
-    parser.add_argument("--version", action="version", version=f"harvest {version('harvest')}")
+    parser.add_argument("--version", action="version", version=f"harvest {harvest_version()}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from harvest.model import CapturePlan, ModelConfig
 from harvest.store import format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.records import RunInfo
+from harvest.version import harvest_version
 
 
 class RunMismatch(UserError):
@@ -37,7 +37,7 @@ def build_run_info(cfg: ExtractConfig, m: ModelConfig, plan: CapturePlan, checkp
         counts = [min(c, cfg.max_samples) for c in counts]
     info = {
         "format_version": fmt.FORMAT_VERSION,
-        "harvest_version": version("harvest"),
+        "harvest_version": harvest_version(),
         "model": {"source": cfg.model, "model_type": m.model_type, "config_sha256": stable_hash(m.to_dict()),
                   "num_layers": m.num_layers, "hidden_size": m.hidden_size,
                   "intermediate_size": m.intermediate_size},

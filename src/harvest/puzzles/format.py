@@ -161,7 +161,7 @@ def write_dataset(out: str, built: Built, *, settings: dict, skipped: dict, skip
                   overwrite: bool) -> DatasetInfo:
     """Write every file, then the marker. With `overwrite`, the old marker goes first, so no reader ever
     pairs it with new arrays; files the old dataset named and this one does not are deleted."""
-    from importlib.metadata import version
+    from harvest.version import harvest_version
 
     storage = check_absent(out, overwrite)
     old_files: set[str] = set()
@@ -185,7 +185,7 @@ def write_dataset(out: str, built: Built, *, settings: dict, skipped: dict, skip
         num_puzzle_identifiers=built.num_puzzle_identifiers, tokens=built.tokens,
         splits={name: split.counts() for name, split in built.splits.items()}, files=files, source=built.source,
         settings=settings, skipped=skipped, skipped_examples=skipped_examples,
-        harvest_version=version("harvest"))
+        harvest_version=harvest_version())
     if not storage.create_exclusive(MARKER, info.to_bytes()):
         raise DatasetError(f"{storage.url}: another build committed a dataset there while this one ran; "
                            "pass --overwrite to replace it")

@@ -9,7 +9,6 @@ import json
 import os
 import time
 import uuid
-from importlib.metadata import version
 from typing import Any
 
 import jax
@@ -18,6 +17,7 @@ from harvest.errors import UserError
 from harvest.runtime import sigterm
 from harvest.storage import Storage
 from harvest.train.curves import open_curves
+from harvest.version import harvest_version
 
 RUN_JSON = "run.json"
 METRICS = "metrics.jsonl"
@@ -47,7 +47,7 @@ class RunRecord:
     compute_dtype: str | None = None
     kernel: str | None = None
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
-    harvest_version: str = dataclasses.field(default_factory=lambda: version("harvest"))
+    harvest_version: str = dataclasses.field(default_factory=harvest_version)
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])
     format_version: int = FORMAT_VERSION
 
