@@ -27,7 +27,8 @@ harvest and HF end to end alternate --rounds times; the table shows each one's f
 A second table, whole processes: `harvest extract` and `python bench/hf_loop.py` (the HF loop above as a script)
 as commands, timed from start to exit, imports, model load and compile included, on --process-texts texts of each
 --process-workloads kind (tiny: 3-20 words, where start-up weighs most; short as above): harvest's first job of
-a shape (compiles) and a later one (loads the compiled forward from the compile cache), against HF.
+a shape (compiles) and a later one (loads the compiled forward from the compile cache), against HF. Under each
+round, harvest's own start-up lines (seconds to the first batch, per stage) of those two jobs.
 
 Run:  .venv/bin/python bench/extract.py            (~30 minutes on 2 idle CPU cores; more when shared)
       .venv/bin/python bench/extract.py --scale 0.2 --workloads short   (a quick smoke run)
@@ -349,9 +350,12 @@ def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list
     cache = root / "process-cache"
     env = {**os.environ, "HARVEST_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
+    startups: list[str] = []  # harvest's own start-up line (harvest.extract.startup) of each job
+
     def timed(cmd: list[str]) -> float:
         t = time.perf_counter()
-        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        startups.extend(line for line in done.stdout.splitlines() if line.startswith("start-up:"))
         return time.perf_counter() - t
 
     seconds: dict[str, list[float]] = {"first": [], "later": [], "hf": []}
@@ -364,6 +368,8 @@ def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list
         seconds["later"].append(timed(harvest_cmd))
         print(f"  round {k + 1}: harvest {seconds['first'][-1]:.1f} s (compiles), {seconds['later'][-1]:.1f} s "
               f"(compile cache), HF {seconds['hf'][-1]:.1f} s", flush=True)
+        for line in startups[-2:]:
+            print(f"    harvest {line}", flush=True)
     hf = min(seconds["hf"])
     return [[f"{workload}: {what}", f"{tokens:,}", f"{min(seconds[key]):.1f}", f"{hf / min(seconds[key]):.2f}x"]
             for what, key in (("harvest extract, first job (compiles)", "first"),

@@ -75,7 +75,9 @@ class Startup:
             total = self.first_batch
         parts = ", ".join(f"{stage} {end - start:.1f}" for stage in STAGES if stage in spans
                           for start, end in [spans[stage]])
-        return f"start-up: {total if total is not None else since_start():.1f} s to the first batch ({parts})"
+        if total is None:  # every stream was done already
+            return f"start-up: no batch to run ({parts})"
+        return f"start-up: {total:.1f} s to the first batch ({parts})"
 
     def to_json(self) -> dict:
         with self._lock:
