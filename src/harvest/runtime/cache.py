@@ -5,7 +5,10 @@ instead of compiling them again (seconds on a CPU, minutes for a large model on 
 $JAX_COMPILATION_CACHE_DIR may name a bucket (gs://BUCKET/RUN/compiled: jax reads it through gcsfs), so that a
 fleet's workers after the first load the program one of them compiled. Against fake-gcs-server on a 2-core CPU
 the 0.5B forward loaded from there in 6.4 s against 8.5-9.6 s to compile it and 1.9 s from local disk: it pays
-only where compiling takes more than a few seconds (a chip, a large model), which is not yet measured."""
+only where compiling takes more than a few seconds. On an H100 the 0.5B extraction compiled in 6.0 s, beside the
+weights' load, of a 7.8-s start-up, and started in 6.2 s from the local cache: a bucket would save each of a
+fleet's workers at most ~1.6 s, so a fleet keeps each worker's own cache unless its tasks set the variable (a
+large model on a pod, where compiling takes minutes)."""
 
 from __future__ import annotations
 
