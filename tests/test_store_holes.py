@@ -7,6 +7,7 @@ tmpfs, contenders, no rename-if-absent); SIGTERM during extract; a run written i
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -22,7 +23,12 @@ from extract_helpers import another_vm, committed as committed_of, harvest_cmd, 
 import harvest.storage.local as local
 from harvest.errors import UserError
 from harvest.storage import Storage
+from harvest.store import format as fmt
+from harvest.store.commit import commit, sweep, wipe
+from harvest.store.format import sidecar_name
 from harvest.store.lease import Leases
+from harvest.store.listing import read_chain, stream_generation
+from harvest.store.records import Sidecar
 
 TTL = 4
 SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
@@ -57,8 +63,14 @@ def start(setup, out: str, *extra: str, log: str, env: dict | None = None, prefi
                                 start_new_session=True)
 
 
+def shard_dir(url: str, stream: int) -> str:
+    """Where the stream's current generation keeps its shards (an --overwrite starts a new one)."""
+    return fmt.shard_dir(stream, stream_generation(Storage(url), stream))
+
+
 def sidecars(url: str, stream: int) -> list[str]:
-    return sorted(n for n in Storage(url).listdir(f"stream_{stream:05d}") if n.startswith("shard_") and n.endswith(".json"))
+    names = Storage(url).listdir(shard_dir(url, stream))
+    return sorted(n for n in names if n.startswith("shard_") and n.endswith(".json"))
 
 
 def wait_until(predicate, proc: subprocess.Popen, log, timeout: float = 120) -> None:
@@ -118,9 +130,10 @@ def test_a_full_overwrite_with_fewer_streams_leaves_only_the_new_runs_streams(se
 @pytest.mark.slow
 def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     """A stops (SIGSTOP, the test hook) with shard 3's data written and its sidecar not; B, as on another VM
-    (a pid namespace of its own), overwrites stream 0 with the same settings after A's TTL and holds its
-    own commit of shard 3; A wakes and commits shard 3 (its data is still there), then finds its lease gone;
-    B's commit of shard 3 loses; a plain rerun finishes, and the run is the reference, verified."""
+    (a pid namespace of its own), overwrites stream 0 with the same settings after A's TTL (a new generation:
+    A's objects are deleted) and holds its own commit of shard 3; A wakes and creates shard 3's sidecar in the
+    generation B ended, where no reader looks, then finds its lease gone; a plain rerun finishes, and the run
+    is the reference, verified."""
     out = str(setup.root / "partial")
     shutil.copytree(setup.reference, out)
     env = harvest_env(setup.cache)
@@ -129,7 +142,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     b = None
     try:
         wait_until(lambda: state(a.pid) == "T", a, setup.root / "p-a.log")
-        a_data = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000003-")]
+        a_data = [n for n in Storage(out).listdir(shard_dir(out, 0)) if n.startswith("shard_000003-")]
         assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
         b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
                   log="p-b.log", prefix=another_vm(),
@@ -139,7 +152,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
 
         def b_committed_three() -> bool:
             names = sidecars(out, 0)
-            files = [json.loads(Storage(out).read_bytes(f"stream_00000/{n}"))["file"] for n in names]
+            files = [json.loads(Storage(out).read_bytes(f"{shard_dir(out, 0)}/{n}"))["file"] for n in names]
             return len(names) == 3 and not any(a_attempt in f for f in files)
 
         wait_until(b_committed_three, b, setup.root / "p-b.log")
@@ -155,6 +168,61 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     ours, leftovers = committed_of(Storage(out))
     assert ours == setup.committed and not leftovers
     assert_verified(out, env)
+
+
+def test_a_writer_stalled_across_a_sweep_and_a_wipe_commits_nothing_a_reader_reads(root):
+    """W stops after writing shard 0's data, past its last lease check; X takes the stream over after W's TTL,
+    commits both shards and sweeps W's object (its shard is committed to X's); Z runs --overwrite (a wipe);
+    W wakes and creates shard 0's sidecar, naming its deleted object; Z commits. Readers read Z's shards, each
+    with its data: W's sidecar lies in the generation Z's wipe ended. On local disk, fake-gcs-server and moto."""
+    st = Storage(root)
+
+    def shard(k: int, leases: Leases) -> tuple[Sidecar, bytes]:
+        data = f"stream 0 shard {k}".encode() * 64
+        sidecar = Sidecar.of_shard(data, stream=0, shard=k, stats={}, attempt=leases.id[:16], start=(k, 0),
+                                   next=(k + 1, 0), row_start=(k + 1, 0), samples=1, tokens=1, skipped=[], long={},
+                                   final=k == 1, records=k + 1, generation=leases.generation(0))
+        return sidecar, data
+
+    def extract(leases: Leases) -> None:
+        leases.acquire([0])
+        for k in range(2):
+            sidecar, data = shard(k, leases)
+            commit(st, sidecar, data, leases.check)
+        sweep(st, 0, leases.generation(0))
+        leases.release_all()
+
+    w = Leases(st, "w", ttl_s=1.0, heartbeat=False)
+    w.acquire([0])
+    stalled, wake, checks = threading.Event(), threading.Event(), []
+
+    def stops_after_its_last_check(stream: int) -> None:
+        w.check(stream)
+        checks.append(stream)
+        if len(checks) == 2:  # commit's check after the data write: where HARVEST_TEST_STOP_BEFORE_COMMIT stops
+            stalled.set()
+            wake.wait(60)
+
+    w_sidecar, w_data = shard(0, w)
+    stopped_w = threading.Thread(target=commit, args=(st, w_sidecar, w_data, stops_after_its_last_check))
+    stopped_w.start()
+    try:
+        assert stalled.wait(60)
+        extract(x := Leases(st, "x", ttl_s=1.0, heartbeat=False))  # takes over after W's TTL
+        assert not st.exists(f"stream_00000/{w_sidecar.file}") and len(read_chain(st, 0)) == 2  # swept
+        z = Leases(st, "z", ttl_s=1.0, heartbeat=False)
+        z.acquire([0])
+        wipe(st, 0, z)
+        z.release_all()
+    finally:
+        wake.set()
+        stopped_w.join()
+    assert st.exists(f"stream_00000/{sidecar_name(0)}")  # W's late create landed, in the generation Z ended
+    extract(z)
+    chain = read_chain(st, 0)
+    assert [sc.file.split("-")[1][:16] for sc in chain] == [z.id[:16]] * 2 and x.id != z.id
+    for sc in chain:
+        assert hashlib.sha256(st.read_bytes(fmt.data_path(0, sc.file, sc.generation))).hexdigest() == sc.sha256
 
 
 # --- 3: a zombie counts as dead ---------------------------------------------------------------------------------

@@ -5,14 +5,17 @@ So each stream's sidecars form one contiguous chain, every sample is committed o
 names a data object that exists, whatever the timing of the writers, their clocks and their flags.
 Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
 
-`--overwrite` empties a stream under its lease (`wipe`), by one rule: a wipe deletes a stream's sidecars but
-no data object that a writer could still commit: on object storage none (a create whose request lands late
-may commit any of them again), on local disk none but those the sidecars named (their writers are done with
-them). A stalled or fenced writer (stopped between its last lease check and its create) thus never creates a
-sidecar naming a deleted object, and what it commits late is a shard computed with the same settings (a
-partial overwrite keeps run.json); `sweep` deletes the other objects once their shard is committed to another
-object or lies past the stream's final shard. A stream the new run.json no longer names (a full overwrite with
-fewer streams) is deleted whole: no reader of the run looks there.
+`--overwrite` empties a stream by one rule: a wipe starts a new generation of the stream, and no writer,
+reader or sweep ever uses another generation's objects than the one it started in. The generation is named in
+the stream's lease, changed by a compare-and-swap from the version the wiper holds (so it lands only while the
+wiper holds the stream); every writer commits into the generation its lease named when it took the stream, in
+that generation's own directory (harvest.store.format.shard_dir), and readers read the one lease.json names.
+So a writer stalled across any sweeps and wipes can only create sidecars in a generation no reader reads, no
+deleted name is ever created again in the current generation, and a delete landing however late deletes
+objects of an ended generation only: a wipe deletes the generations the lease records as ended, sweep only
+data objects of its own generation whose shard is committed to another object or lies past the stream's final
+shard. A stream the new run.json no longer names (a full overwrite with fewer streams) is deleted whole after
+its generation is ended: no reader of the run looks there.
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
 bounded queues (when storage falls behind the producer waits; nothing is dropped); `ResumePoint` says where
@@ -29,6 +32,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -38,6 +42,7 @@ from harvest.store import format as fmt
 from harvest.storage import Storage
 from harvest.store.format import sidecar_name
 from harvest.store.listing import read_chain
+from harvest.store.lease import Leases
 from harvest.store.records import Sidecar
 
 
@@ -117,47 +122,38 @@ def leftovers(names: list[str], chain: list[Sidecar]) -> list[str]:
     return out
 
 
-def sweep(storage: Storage, stream: int) -> list[Sidecar]:
-    """Delete the stream's leftovers (see `leftovers`); returns its chain. The directory is listed before the
-    chain is read, so a data object listed is judged by sidecars at least as new as itself: a wipe and new
-    commits meanwhile (another writer's --overwrite) never make a newly committed object look like a leftover."""
-    directory = fmt.stream_dir(stream)
+def sweep(storage: Storage, stream: int, generation: str) -> list[Sidecar]:
+    """Delete the leftovers of the stream's `generation` (see `leftovers`); returns its chain. The directory is
+    listed before the chain is read, so a data object listed is judged by sidecars at least as new as itself;
+    within a generation no sidecar is ever deleted, so no object deleted here is ever named by one."""
+    directory = fmt.shard_dir(stream, generation)
     names = storage.listdir(directory)
-    chain = read_chain(storage, stream)
+    chain = read_chain(storage, stream, generation)
     storage.delete_many(f"{directory}/{name}" for name in leftovers(names, chain))
     return chain
 
 
-def wipe(storage: Storage, stream: int, guard: Callable[[int], None], *, keep: set[str], whole: bool = False) -> None:
-    """Empty `stream` for --overwrite, by the rule of the module docstring: its sidecars first (no committed
-    shard is ever left without its data), then its other records (progress) and, on local disk, the data
-    objects the sidecars named, keeping the names in `keep` (its lease, held by the caller). `guard(stream)`
-    runs before each delete and confirms the lease (`Leases.confirm`): a wiper that lost the stream deletes
-    nothing more, and a delete sent has the lease's whole TTL to land before anyone else may take the stream.
-    `whole`: the stream leaves the run, so its whole directory goes."""
-    directory = fmt.stream_dir(stream)
-    names = storage.listdir(directory)
-    sidecars = [name for name in names if fmt.sidecar_shard(name) is not None]
-    named = set()
-    for name in sidecars if storage.is_local else []:
-        try:
-            named.add(Sidecar.from_bytes(storage.read_bytes(f"{directory}/{name}")).file)
-        except ValueError:
-            pass  # not a sidecar: it commits nothing
-    guard(stream)
-    storage.delete_many(f"{directory}/{name}" for name in sidecars)
-    guard(stream)
+def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, generation: str | None = None) -> None:
+    """Empty `stream` for --overwrite under this worker's lease, by the rule of the module docstring: start a
+    new generation (`generation`, a fresh random one by default), then delete the objects of every ended one
+    and the stream's progress. `whole`: the stream leaves the run, so its whole directory goes."""
+    ended = leases.start_generation(stream, generation or uuid.uuid4().hex[:16])
     if whole:
-        storage.delete_tree(directory)
+        storage.delete_tree(fmt.stream_dir(stream))
         return
-    storage.delete_many(f"{directory}/{name}" for name in names if name not in keep and name not in sidecars
-                        and (fmt.data_file_shard(name) is None or name in named))
+    directory = fmt.stream_dir(stream)
+    storage.delete_many(f"{directory}/{name}" for name in storage.listdir(directory) if name == fmt.PROGRESS or (
+        "" in ended and (fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None)))
+    for old in ended:
+        if old:
+            storage.delete_tree(fmt.shard_dir(stream, old))
 
 
 def commit(storage: Storage, sidecar: Sidecar, data: bytes | list, guard: Callable[[int], None]) -> None:
-    """Write `data` as the object `sidecar` names, then commit it by creating the sidecar only if absent.
-    Raises CommitLost when another writer committed the shard first (this one's object is deleted)."""
-    directory = fmt.stream_dir(sidecar.stream)
+    """Write `data` as the object `sidecar` names, then commit it by creating the sidecar only if absent, both in
+    the sidecar's generation. Raises CommitLost when another writer committed the shard first (this one's object
+    is deleted)."""
+    directory = fmt.shard_dir(sidecar.stream, sidecar.generation)
     guard(sidecar.stream)
     storage.write_bytes(f"{directory}/{sidecar.file}", data)
     guard(sidecar.stream)
@@ -192,11 +188,12 @@ class Committer:
     `attempt` names this writer's data objects. `guard(stream)` runs before each write of a stream and raises
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
-    when another writer committed a shard of the stream first.
+    when another writer committed a shard of the stream first. `generation(stream)` names the generation a
+    stream's shards are committed in (`Leases.generation`; "" where none was started).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
-                 guard: Callable[[int], None] | None = None,
+                 guard: Callable[[int], None] | None = None, generation: Callable[[int], str] | None = None,
                  on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2):
         self.storage = storage
         self.attempt = attempt
@@ -207,6 +204,7 @@ class Committer:
                                                            thread_name_prefix="commit-work")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
+        self.generation = generation or (lambda stream: "")
         self.on_lost = on_lost or (lambda stream, error: None)
         self.failure: BaseException | None = None
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
@@ -282,6 +280,7 @@ class Committer:
             quantization=shard.quantization,
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
+        manifest = dataclasses.replace(manifest, generation=self.generation(shard.stream))
         try:
             commit(self.storage, manifest, parts, self.guard)
         except CommitLost as e:
@@ -290,4 +289,4 @@ class Committer:
         self.guard(shard.stream)
         self.on_commit(manifest)
         if shard.final:  # what writers that lost the stream left behind, now that none of it can be committed
-            sweep(self.storage, shard.stream)
+            sweep(self.storage, shard.stream, manifest.generation)
