@@ -6,6 +6,7 @@ tmpfs, contenders, no rename-if-absent); SIGTERM during extract; a run written i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -326,10 +327,13 @@ def test_a_create_near_a_full_disk_is_whole_or_absent(no_hard_links, small_tmpfs
 @pytest.mark.parametrize("rename_if_absent", [True, False], ids=["renameat2", "directory-lock"])
 def test_contenders_without_hard_links_one_wins_and_no_reader_sees_a_partial_file(no_hard_links, rename_if_absent,
                                                                                  tmp_path, monkeypatch):
-    if not rename_if_absent:
-        monkeypatch.setattr(local, "_renameat2", None)  # a C library or filesystem without RENAME_NOREPLACE
+    """Three writers create the same big name at once, five times over, while a reader reads it: one wins each
+    time, and the reader only ever sees the whole winner (no name before its content, no part of it)."""
+    if not rename_if_absent:  # a C library or filesystem without RENAME_NOREPLACE
+        monkeypatch.setattr(local, "_renameat2", None, raising=False)
     st = Storage(str(tmp_path / "out"))
-    payloads = {name: name.encode() * 400_000 for name in ("a", "b", "c")}
+    size = 16_000_000  # a write long enough for a reader to meet it midway where the name is written in place
+    payloads = {name: name.encode() * size for name in ("a", "b", "c")}
     for round_ in range(5):
         rel = f"stream_00000/shard_{round_:06d}.json"
         won: dict[str, bool] = {}
@@ -362,12 +366,29 @@ def test_contenders_without_hard_links_one_wins_and_no_reader_sees_a_partial_fil
         winners = [name for name, ok in won.items() if ok]
         assert len(winners) == 1, won
         assert st.read_bytes(rel) == payloads[winners[0]]
-        assert set(seen) <= {400_000}, "a reader saw a partial file"
+        assert set(seen) <= {size}, "a reader saw a partial file"
     assert sorted(os.listdir(tmp_path / "out" / "stream_00000")) == [f"shard_{k:06d}.json" for k in range(5)]
 
 
-def test_leases_without_hard_links(no_hard_links, tmp_path):
-    st = Storage(str(tmp_path / "out"))
+def test_a_lease_taken_on_a_full_disk_without_hard_links_leaves_nothing_that_blocks_the_stream(no_hard_links,
+                                                                                                small_tmpfs):
+    """The disk is full when a worker takes a stream: with no room at all it fails with one line and leaves no
+    lease.json; with room for one copy of the lease it takes the stream (never a second copy written in place,
+    which would leave an empty lease.json no later worker could read); with room, workers hand it on."""
+    st = Storage(str(small_tmpfs / "out"))
+    st.write_bytes("stream_00000/progress.json", b"{}")  # the stream's directory exists
+    with open(small_tmpfs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * 4096)
+    with pytest.raises(UserError, match="no space left"):
+        Leases(st, "a", ttl_s=60).acquire([0])
+    assert not st.exists("stream_00000/lease.json")
+    os.truncate(small_tmpfs / "filler", os.path.getsize(small_tmpfs / "filler") - 4096)  # one page free
+    first = Leases(st, "first", ttl_s=60)
+    first.acquire([0])
+    assert first.held == {0}
+    os.remove(small_tmpfs / "filler")
+    first.release_all()
     a = Leases(st, "a", ttl_s=60)
     a.acquire([0, 1])
     a.release_all()
