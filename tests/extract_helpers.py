@@ -91,9 +91,13 @@ def count_sidecars(out: Path) -> int:
 
 
 def is_complete(out: Path, num_streams: int) -> bool:
-    """Every stream's last committed sidecar is `final`."""
+    """Every stream's last committed sidecar (in its current generation) is `final`."""
+    from harvest.storage import Storage
+    from harvest.store import format as fmt
+    from harvest.store.listing import stream_generation
+
     for s in range(num_streams):
-        found = sorted((out / f"stream_{s:05d}").glob("shard_*.json"))
+        found = sorted((out / fmt.shard_dir(s, stream_generation(Storage(str(out)), s))).glob("shard_*.json"))
         if not found or not json.loads(found[-1].read_text())["final"]:
             return False
     return True
