@@ -303,13 +303,13 @@ def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, sh
             leases.forget(1)
             store.dropped = True
         generation = leases.generation(0)
-        chain = [] if process.overwrite else sweep(storage, 0, generation)  # as harvest.extract.job does
+        chain = [] if process.overwrite else sweep(storage, 0, generation, leases.check)  # as the job does
         for k in range(ResumePoint.after(chain).shard, shards):
             sidecar, data = shard_of(k, shards, leases.id[:16])
             sidecar = dataclasses.replace(sidecar, generation=generation)
             commit(storage, sidecar, data, leases.check)
             if sidecar.final:
-                sweep(storage, 0, generation)
+                sweep(storage, 0, generation, leases.check)
         leases.release_all()
         outcomes.append((process.name, "done"))
     except LeaseHeld:

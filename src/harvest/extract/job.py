@@ -180,8 +180,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
              out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag) -> dict[str, Any]:
     # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
     # wiped by --overwrite starts afresh in a generation of its own: nothing a stalled writer lands is read there.
-    chains = {s: [] if cfg.overwrite else sweep(out, s, leases.generation(s)) if s in mine else read_chain(out, s)
-              for streams_of_slot in slots.values() for s in streams_of_slot}
+    chains = {s: [] if cfg.overwrite else sweep(out, s, leases.generation(s), leases.check) if s in mine
+              else read_chain(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
     resume = {s: ResumePoint.after(chain) for s, chain in chains.items()}
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}

@@ -122,13 +122,20 @@ def leftovers(names: list[str], chain: list[Sidecar]) -> list[str]:
     return out
 
 
-def sweep(storage: Storage, stream: int, generation: str) -> list[Sidecar]:
+def sweep(storage: Storage, stream: int, generation: str, guard: Callable[[int], None] | None = None
+          ) -> list[Sidecar]:
     """Delete the leftovers of the stream's `generation` (see `leftovers`); returns its chain. The directory is
     listed before the chain is read, so a data object listed is judged by sidecars at least as new as itself;
-    within a generation no sidecar is ever deleted, so no object deleted here is ever named by one."""
+    within a generation no sidecar is ever deleted, so no object deleted here is ever named by one. A chain that
+    cannot be read fails for the reason `guard(stream)` gives first: a wipe that ended the generation meanwhile
+    deletes it under a lease this worker lost."""
     directory = fmt.shard_dir(stream, generation)
-    names = storage.listdir(directory)
-    chain = read_chain(storage, stream, generation)
+    try:
+        names = storage.listdir(directory)
+        chain = read_chain(storage, stream, generation)
+    except UserError:
+        (guard or (lambda s: None))(stream)
+        raise
     storage.delete_many(f"{directory}/{name}" for name in leftovers(names, chain))
     return chain
 
