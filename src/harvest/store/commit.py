@@ -15,7 +15,8 @@ deleted name is ever created again in the current generation, and a delete landi
 objects of an ended generation only: a wipe deletes the generations the lease records as ended, sweep only
 data objects of its own generation whose shard is committed to another object or lies past the stream's final
 shard. A stream the new run.json no longer names (a full overwrite with fewer streams) is deleted whole after
-its generation is ended: no reader of the run looks there.
+its generation is ended: no reader of the run looks there (its lease goes too, the one delete not confined to
+ended generations: it would matter only to a later overwrite adding the stream back while it is in flight).
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
 bounded queues (when storage falls behind the producer waits; nothing is dropped); `ResumePoint` says where

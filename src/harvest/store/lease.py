@@ -4,7 +4,9 @@ commit itself: harvest.store.commit); leases keep two workers from computing the
 
 `stream_NNNNN/lease.json` (a LeaseRecord) holds the holder's random per-process id, its TTL and a version.
 Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
-object's version (`Storage.replace_if`), so of two contenders exactly one wins.
+object's version (`Storage.replace_if`), so of two contenders exactly one wins. It also names the stream's
+generation (where its shards lie: harvest.store.commit), which every rewrite carries on and only a wipe
+changes (`start_generation`), by a swap that lands only while the wiper holds the stream.
 
 Staleness is decided by the TTL alone, wherever the taker runs, with no wall clock compared across hosts:
 - anyone takes a released lease at once;
