@@ -91,9 +91,13 @@ def count_sidecars(out: Path) -> int:
 
 
 def is_complete(out: Path, num_streams: int) -> bool:
-    """Every stream's last committed sidecar is `final`."""
+    """Every stream's last committed sidecar (in its current generation) is `final`."""
+    from harvest.storage import Storage
+    from harvest.store import format as fmt
+    from harvest.store.listing import stream_generation
+
     for s in range(num_streams):
-        found = sorted((out / f"stream_{s:05d}").glob("shard_*.json"))
+        found = sorted((out / fmt.shard_dir(s, stream_generation(Storage(str(out)), s))).glob("shard_*.json"))
         if not found or not json.loads(found[-1].read_text())["final"]:
             return False
     return True
@@ -152,13 +156,18 @@ def committed(storage) -> tuple[dict[str, bytes], list[str]]:
     Data objects are keyed by their shard's name (`stream_00001/shard_000003.safetensors`) and sidecars
     carry that name in `file`, so two runs written by different attempts compare equal when their
     content is."""
+    from harvest.store import format as fmt
+    from harvest.store.listing import stream_generation
+
     data, leftovers = {}, []
     for stream in (n for n in storage.listdir() if n.startswith("stream_")):
-        names = storage.listdir(stream)
+        where = fmt.shard_dir(fmt.dir_stream(stream), stream_generation(storage, fmt.dir_stream(stream)))
+        names = storage.listdir(where)
         named = {}
         for name in names:
             if name.startswith("shard_") and name.endswith(".json"):
-                sidecar = json.loads(storage.read_bytes(f"{stream}/{name}"))
+                sidecar = json.loads(storage.read_bytes(f"{where}/{name}"))
+                sidecar.pop("generation", None)  # a wipe's random name for the stream's directory
                 stem = name[: -len(".json")]
                 named[sidecar["file"]] = stem
                 sidecar["file"] = stem + ".safetensors"
@@ -166,9 +175,9 @@ def committed(storage) -> tuple[dict[str, bytes], list[str]]:
         for name in names:
             if name.startswith("shard_") and name.endswith(".safetensors"):
                 if name in named:
-                    data[f"{stream}/{named[name]}.safetensors"] = storage.read_bytes(f"{stream}/{name}")
+                    data[f"{stream}/{named[name]}.safetensors"] = storage.read_bytes(f"{where}/{name}")
                 else:
-                    leftovers.append(f"{stream}/{name}")
+                    leftovers.append(f"{where}/{name}")
     return data, leftovers
 
 

@@ -6,6 +6,7 @@ tmpfs, contenders, no rename-if-absent); SIGTERM during extract; a run written i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,13 +17,19 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
 
 import harvest.storage.local as local
 from harvest.errors import UserError
 from harvest.storage import Storage
+from harvest.store import format as fmt
+from harvest.store.commit import commit, sweep, wipe
+from harvest.store.format import sidecar_name
 from harvest.store.lease import Leases
+from harvest.store.listing import read_chain, stream_generation
+from harvest.store.records import Sidecar
 
 TTL = 4
 SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
@@ -57,8 +64,14 @@ def start(setup, out: str, *extra: str, log: str, env: dict | None = None, prefi
                                 start_new_session=True)
 
 
+def shard_dir(url: str, stream: int) -> str:
+    """Where the stream's current generation keeps its shards (an --overwrite starts a new one)."""
+    return fmt.shard_dir(stream, stream_generation(Storage(url), stream))
+
+
 def sidecars(url: str, stream: int) -> list[str]:
-    return sorted(n for n in Storage(url).listdir(f"stream_{stream:05d}") if n.startswith("shard_") and n.endswith(".json"))
+    names = Storage(url).listdir(shard_dir(url, stream))
+    return sorted(n for n in names if n.startswith("shard_") and n.endswith(".json"))
 
 
 def wait_until(predicate, proc: subprocess.Popen, log, timeout: float = 120) -> None:
@@ -118,9 +131,10 @@ def test_a_full_overwrite_with_fewer_streams_leaves_only_the_new_runs_streams(se
 @pytest.mark.slow
 def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     """A stops (SIGSTOP, the test hook) with shard 3's data written and its sidecar not; B, as on another VM
-    (a pid namespace of its own), overwrites stream 0 with the same settings after A's TTL and holds its
-    own commit of shard 3; A wakes and commits shard 3 (its data is still there), then finds its lease gone;
-    B's commit of shard 3 loses; a plain rerun finishes, and the run is the reference, verified."""
+    (a pid namespace of its own), overwrites stream 0 with the same settings after A's TTL (a new generation:
+    A's objects are deleted) and holds its own commit of shard 3; A wakes and creates shard 3's sidecar in the
+    generation B ended, where no reader looks, then finds its lease gone; a plain rerun finishes, and the run
+    is the reference, verified."""
     out = str(setup.root / "partial")
     shutil.copytree(setup.reference, out)
     env = harvest_env(setup.cache)
@@ -129,7 +143,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     b = None
     try:
         wait_until(lambda: state(a.pid) == "T", a, setup.root / "p-a.log")
-        a_data = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000003-")]
+        a_data = [n for n in Storage(out).listdir(shard_dir(out, 0)) if n.startswith("shard_000003-")]
         assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
         b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
                   log="p-b.log", prefix=another_vm(),
@@ -139,7 +153,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
 
         def b_committed_three() -> bool:
             names = sidecars(out, 0)
-            files = [json.loads(Storage(out).read_bytes(f"stream_00000/{n}"))["file"] for n in names]
+            files = [json.loads(Storage(out).read_bytes(f"{shard_dir(out, 0)}/{n}"))["file"] for n in names]
             return len(names) == 3 and not any(a_attempt in f for f in files)
 
         wait_until(b_committed_three, b, setup.root / "p-b.log")
@@ -155,6 +169,63 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     ours, leftovers = committed_of(Storage(out))
     assert ours == setup.committed and not leftovers
     assert_verified(out, env)
+
+
+def test_a_writer_stalled_across_a_sweep_and_a_wipe_commits_nothing_a_reader_reads(root):
+    """W stops after writing shard 0's data, past its last lease check; X takes the stream over after W's TTL,
+    commits both shards and sweeps W's object (its shard is committed to X's); Z runs --overwrite (a wipe);
+    W wakes and creates shard 0's sidecar, naming its deleted object; Z commits. Readers read Z's shards, each
+    with its data: W's sidecar lies in the generation Z's wipe ended. On local disk, fake-gcs-server and moto."""
+    st = Storage(root)
+
+    def shard(k: int, leases: Leases) -> tuple[Sidecar, bytes]:
+        data = fmt.encode_shard({"resid_post.0": np.full((1, 2), k, np.float32)}, np.array([k], np.int32),
+                                np.ones(1, np.int64), np.array([k]), np.zeros(1, np.int32),
+                                metadata={"stream": "0", "shard": str(k)})
+        sidecar = Sidecar.of_shard(data, stream=0, shard=k, stats={}, attempt=leases.id[:16], start=(k, 0),
+                                   next=(k + 1, 0), row_start=(k + 1, 0), samples=1, tokens=1, skipped=[], long={},
+                                   final=k == 1, records=k + 1, generation=leases.generation(0))
+        return sidecar, data
+
+    def extract(leases: Leases) -> None:
+        leases.acquire([0])
+        for k in range(2):
+            sidecar, data = shard(k, leases)
+            commit(st, sidecar, data, leases.check)
+        sweep(st, 0, leases.generation(0))
+        leases.release_all()
+
+    w = Leases(st, "w", ttl_s=1.0, heartbeat=False)
+    w.acquire([0])
+    stalled, wake, checks = threading.Event(), threading.Event(), []
+
+    def stops_after_its_last_check(stream: int) -> None:
+        w.check(stream)
+        checks.append(stream)
+        if len(checks) == 2:  # commit's check after the data write: where HARVEST_TEST_STOP_BEFORE_COMMIT stops
+            stalled.set()
+            wake.wait(60)
+
+    w_sidecar, w_data = shard(0, w)
+    stopped_w = threading.Thread(target=commit, args=(st, w_sidecar, w_data, stops_after_its_last_check))
+    stopped_w.start()
+    try:
+        assert stalled.wait(60)
+        extract(x := Leases(st, "x", ttl_s=1.0, heartbeat=False))  # takes over after W's TTL
+        assert not st.exists(f"stream_00000/{w_sidecar.file}") and len(read_chain(st, 0)) == 2  # swept
+        z = Leases(st, "z", ttl_s=1.0, heartbeat=False)
+        z.acquire([0])
+        wipe(st, 0, z)
+        z.release_all()
+    finally:
+        wake.set()
+        stopped_w.join()
+    assert st.exists(f"stream_00000/{sidecar_name(0)}")  # W's late create landed, in the generation Z ended
+    extract(z)
+    chain = read_chain(st, 0)
+    assert [sc.file.split("-")[1][:16] for sc in chain] == [z.id[:16]] * 2 and x.id != z.id
+    for sc in chain:
+        assert sc.mismatch(st.read_bytes(fmt.data_path(0, sc.file, sc.generation))) is None
 
 
 # --- 3: a zombie counts as dead ---------------------------------------------------------------------------------
@@ -258,10 +329,13 @@ def test_a_create_near_a_full_disk_is_whole_or_absent(no_hard_links, small_tmpfs
 @pytest.mark.parametrize("rename_if_absent", [True, False], ids=["renameat2", "directory-lock"])
 def test_contenders_without_hard_links_one_wins_and_no_reader_sees_a_partial_file(no_hard_links, rename_if_absent,
                                                                                  tmp_path, monkeypatch):
-    if not rename_if_absent:
-        monkeypatch.setattr(local, "_renameat2", None)  # a C library or filesystem without RENAME_NOREPLACE
+    """Three writers create the same big name at once, five times over, while a reader reads it: one wins each
+    time, and the reader only ever sees the whole winner (no name before its content, no part of it)."""
+    if not rename_if_absent:  # a C library or filesystem without RENAME_NOREPLACE
+        monkeypatch.setattr(local, "_renameat2", None, raising=False)
     st = Storage(str(tmp_path / "out"))
-    payloads = {name: name.encode() * 400_000 for name in ("a", "b", "c")}
+    size = 16_000_000  # a write long enough for a reader to meet it midway where the name is written in place
+    payloads = {name: name.encode() * size for name in ("a", "b", "c")}
     for round_ in range(5):
         rel = f"stream_00000/shard_{round_:06d}.json"
         won: dict[str, bool] = {}
@@ -294,12 +368,29 @@ def test_contenders_without_hard_links_one_wins_and_no_reader_sees_a_partial_fil
         winners = [name for name, ok in won.items() if ok]
         assert len(winners) == 1, won
         assert st.read_bytes(rel) == payloads[winners[0]]
-        assert set(seen) <= {400_000}, "a reader saw a partial file"
+        assert set(seen) <= {size}, "a reader saw a partial file"
     assert sorted(os.listdir(tmp_path / "out" / "stream_00000")) == [f"shard_{k:06d}.json" for k in range(5)]
 
 
-def test_leases_without_hard_links(no_hard_links, tmp_path):
-    st = Storage(str(tmp_path / "out"))
+def test_a_lease_taken_on_a_full_disk_without_hard_links_leaves_nothing_that_blocks_the_stream(no_hard_links,
+                                                                                                small_tmpfs):
+    """The disk is full when a worker takes a stream: with no room at all it fails with one line and leaves no
+    lease.json; with room for one copy of the lease it takes the stream (never a second copy written in place,
+    which would leave an empty lease.json no later worker could read); with room, workers hand it on."""
+    st = Storage(str(small_tmpfs / "out"))
+    st.write_bytes("stream_00000/progress.json", b"{}")  # the stream's directory exists
+    with open(small_tmpfs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"x" * 4096)
+    with pytest.raises(UserError, match="no space left"):
+        Leases(st, "a", ttl_s=60).acquire([0])
+    assert not st.exists("stream_00000/lease.json")
+    os.truncate(small_tmpfs / "filler", os.path.getsize(small_tmpfs / "filler") - 4096)  # one page free
+    first = Leases(st, "first", ttl_s=60)
+    first.acquire([0])
+    assert first.held == {0}
+    os.remove(small_tmpfs / "filler")
+    first.release_all()
     a = Leases(st, "a", ttl_s=60)
     a.acquire([0, 1])
     a.release_all()

@@ -46,7 +46,7 @@ from harvest.runtime.sigterm import SigtermFlag
 from harvest.store import format as fmt, quant
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
 from harvest.storage import Storage
-from harvest.store.lease import LEASE, Leases
+from harvest.store.lease import Leases
 
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
@@ -121,7 +121,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                 _wipe(out, mine, dropped, leases, run_json=whole and jax.process_index() == 0)
                 distributed.barrier("harvest-overwrite")
             for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
-                out.remove_stale_temps(fmt.stream_dir(stream))
+                for directory in {fmt.stream_dir(stream), fmt.shard_dir(stream, leases.generation(stream))}:
+                    out.remove_stale_temps(directory)
             if jax.process_index() == 0 and not out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes()):
                 check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
@@ -174,11 +175,11 @@ def _streams_beyond(out: Storage, num_streams: int) -> list[int]:
 
 
 def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: Leases, run_json: bool) -> None:
-    """--overwrite, under the leases of every stream named (harvest.store.commit.wipe: what it keeps and why)."""
+    """--overwrite, under the leases of every stream named (harvest.store.commit.wipe: a new generation each)."""
     for stream in streams_to_wipe:
-        wipe(out, stream, leases.confirm, keep={LEASE})  # the lease is ours: --overwrite runs under it
+        wipe(out, stream, leases)
     for stream in dropped:
-        wipe(out, stream, leases.confirm, keep={LEASE}, whole=True)
+        wipe(out, stream, leases, whole=True)
         leases.forget(stream)
     if run_json:
         out.delete(fmt.RUN_JSON)
@@ -188,10 +189,9 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
              out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag,
              clock: Startup) -> dict[str, Any]:
     # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
-    # wiped by --overwrite starts afresh without reading it again: a stalled writer's commit landing after the
-    # wipe is met by this run's commit of that shard (CommitLost), never read as a gap in the chain.
-    chains = {s: [] if cfg.overwrite else sweep(out, s) if s in mine else read_chain(out, s)
-              for streams_of_slot in slots.values() for s in streams_of_slot}
+    # wiped by --overwrite starts afresh in a generation of its own: nothing a stalled writer lands is read there.
+    chains = {s: [] if cfg.overwrite else sweep(out, s, leases.generation(s), leases.check) if s in mine
+              else read_chain(out, s) for streams_of_slot in slots.values() for s in streams_of_slot}
     resume = {s: ResumePoint.after(chain) for s, chain in chains.items()}
     distributed.barrier("harvest-resume-read")  # every feeder of a stream starts from the same commit
     todo = {k: [s for s in streams_of_slot if not resume[s].done] for k, streams_of_slot in slots.items()}
@@ -202,7 +202,7 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,
-                          on_lost=leases.lose)
+                          on_lost=leases.lose, generation=leases.generation)
     encode = prompts.encoder(tokenizer, cfg.format)
 
     def stream_rows(stream: int) -> Iterator[Row]:

@@ -5,14 +5,18 @@ So each stream's sidecars form one contiguous chain, every sample is committed o
 names a data object that exists, whatever the timing of the writers, their clocks and their flags.
 Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
 
-`--overwrite` empties a stream under its lease (`wipe`), by one rule: a wipe deletes a stream's sidecars but
-no data object that a writer could still commit: on object storage none (a create whose request lands late
-may commit any of them again), on local disk none but those the sidecars named (their writers are done with
-them). A stalled or fenced writer (stopped between its last lease check and its create) thus never creates a
-sidecar naming a deleted object, and what it commits late is a shard computed with the same settings (a
-partial overwrite keeps run.json); `sweep` deletes the other objects once their shard is committed to another
-object or lies past the stream's final shard. A stream the new run.json no longer names (a full overwrite with
-fewer streams) is deleted whole: no reader of the run looks there.
+`--overwrite` empties a stream by one rule: a wipe starts a new generation of the stream, and no writer,
+reader or sweep ever uses another generation's objects than the one it started in. The generation is named in
+the stream's lease, changed by a compare-and-swap from the version the wiper holds (so it lands only while the
+wiper holds the stream); every writer commits into the generation its lease named when it took the stream, in
+that generation's own directory (harvest.store.format.shard_dir), and readers read the one lease.json names.
+So a writer stalled across any sweeps and wipes can only create sidecars in a generation no reader reads, no
+deleted name is ever created again in the current generation, and a delete landing however late deletes
+objects of an ended generation only: a wipe deletes the generations the lease records as ended, sweep only
+data objects of its own generation whose shard is committed to another object or lies past the stream's final
+shard. A stream the new run.json no longer names (a full overwrite with fewer streams) is deleted whole after
+its generation is ended: no reader of the run looks there (its lease goes too, the one delete not confined to
+ended generations: it would matter only to a later overwrite adding the stream back while it is in flight).
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
 bounded queues (when storage falls behind the producer waits; nothing is dropped); a shard's data object
@@ -30,6 +34,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +44,7 @@ from harvest.store import format as fmt
 from harvest.storage import Storage
 from harvest.store.format import sidecar_name
 from harvest.store.listing import read_chain
+from harvest.store.lease import Leases
 from harvest.store.records import Sidecar
 
 
@@ -118,50 +124,47 @@ def leftovers(names: list[str], chain: list[Sidecar]) -> list[str]:
     return out
 
 
-def sweep(storage: Storage, stream: int) -> list[Sidecar]:
-    """Delete the stream's leftovers (see `leftovers`); returns its chain. The directory is listed before the
-    chain is read, so a data object listed is judged by sidecars at least as new as itself: a wipe and new
-    commits meanwhile (another writer's --overwrite) never make a newly committed object look like a leftover."""
-    directory = fmt.stream_dir(stream)
-    names = storage.listdir(directory)
-    chain = read_chain(storage, stream)
+def sweep(storage: Storage, stream: int, generation: str, guard: Callable[[int], None] | None = None
+          ) -> list[Sidecar]:
+    """Delete the leftovers of the stream's `generation` (see `leftovers`); returns its chain. The directory is
+    listed before the chain is read, so a data object listed is judged by sidecars at least as new as itself;
+    within a generation no sidecar is ever deleted, so no object deleted here is ever named by one. A chain that
+    cannot be read fails for the reason `guard(stream)` gives first: a wipe that ended the generation meanwhile
+    deletes it under a lease this worker lost."""
+    directory = fmt.shard_dir(stream, generation)
+    try:
+        names = storage.listdir(directory)
+        chain = read_chain(storage, stream, generation)
+    except UserError:
+        (guard or (lambda s: None))(stream)
+        raise
     storage.delete_many(f"{directory}/{name}" for name in leftovers(names, chain))
     return chain
 
 
-def wipe(storage: Storage, stream: int, guard: Callable[[int], None], *, keep: set[str], whole: bool = False) -> None:
-    """Empty `stream` for --overwrite, by the rule of the module docstring: its sidecars first (no committed
-    shard is ever left without its data), then its other records (progress) and, on local disk, the data
-    objects the sidecars named, keeping the names in `keep` (its lease, held by the caller). `guard(stream)`
-    runs before each delete and confirms the lease (`Leases.confirm`): a wiper that lost the stream deletes
-    nothing more, and a delete sent has the lease's whole TTL to land before anyone else may take the stream.
-    `whole`: the stream leaves the run, so its whole directory goes."""
-    directory = fmt.stream_dir(stream)
-    names = storage.listdir(directory)
-    sidecars = [name for name in names if fmt.sidecar_shard(name) is not None]
-    named = set()
-    for name in sidecars if storage.is_local else []:
-        try:
-            named.add(Sidecar.from_bytes(storage.read_bytes(f"{directory}/{name}")).file)
-        except ValueError:
-            pass  # not a sidecar: it commits nothing
-    guard(stream)
-    storage.delete_many(f"{directory}/{name}" for name in sidecars)
-    guard(stream)
+def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, generation: str | None = None) -> None:
+    """Empty `stream` for --overwrite under this worker's lease, by the rule of the module docstring: start a
+    new generation (`generation`, a fresh random one by default), then delete the objects of every ended one
+    and the stream's progress. `whole`: the stream leaves the run, so its whole directory goes."""
+    ended = leases.start_generation(stream, generation or uuid.uuid4().hex[:16])
     if whole:
-        storage.delete_tree(directory)
+        storage.delete_tree(fmt.stream_dir(stream))
         return
-    storage.delete_many(f"{directory}/{name}" for name in names if name not in keep and name not in sidecars
-                        and (fmt.data_file_shard(name) is None or name in named))
+    directory = fmt.stream_dir(stream)
+    storage.delete_many(f"{directory}/{name}" for name in storage.listdir(directory) if name == fmt.PROGRESS or (
+        "" in ended and (fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None)))
+    for old in ended:
+        if old:
+            storage.delete_tree(fmt.shard_dir(stream, old))
 
 
 def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard: Callable[[int], None]) -> None:
     """Write `data` as the object `sidecar` names (None: written already, by `write_data`), then commit it by
-    creating the sidecar only if absent. Raises CommitLost when another writer committed the shard first (this
-    one's object is deleted)."""
-    directory = fmt.stream_dir(sidecar.stream)
+    creating the sidecar only if absent, both in the sidecar's generation. Raises CommitLost when another writer
+    committed the shard first (this one's object is deleted)."""
+    directory = fmt.shard_dir(sidecar.stream, sidecar.generation)
     if data is not None:
-        write_data(storage, sidecar.stream, sidecar.file, data, guard)
+        write_data(storage, sidecar.stream, sidecar.file, data, guard, sidecar.generation)
     guard(sidecar.stream)
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
     if storage.create_exclusive(f"{directory}/{sidecar_name(sidecar.shard)}", sidecar.to_bytes()):
@@ -175,10 +178,12 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
                      "writing the stream and its copy was not committed")
 
 
-def write_data(storage: Storage, stream: int, file: str, data: bytes | list, guard: Callable[[int], None]) -> None:
-    """Write a shard's data object (`file`, a name only this attempt writes), once `guard` confirms the lease."""
+def write_data(storage: Storage, stream: int, file: str, data: bytes | list, guard: Callable[[int], None],
+               generation: str = "") -> None:
+    """Write a shard's data object (`file`, a name only this attempt writes) in the stream's `generation`, once
+    `guard` confirms the lease."""
     guard(stream)
-    storage.write_bytes(f"{fmt.stream_dir(stream)}/{file}", data)
+    storage.write_bytes(f"{fmt.shard_dir(stream, generation)}/{file}", data)
 
 
 def _test_stop_before_commit(stream: int, shard: int) -> None:
@@ -201,11 +206,12 @@ class Committer:
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
     when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
-    (format.CHECKSUMS; default format.default_checksum()).
+    (format.CHECKSUMS; default format.default_checksum()). `generation(stream)` names the generation a
+    stream's shards are committed in (`Leases.generation`; "" where none was started).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
-                 guard: Callable[[int], None] | None = None,
+                 guard: Callable[[int], None] | None = None, generation: Callable[[int], str] | None = None,
                  on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2,
                  checksum: str | None = None):
         self.storage = storage
@@ -223,6 +229,7 @@ class Committer:
                                                              thread_name_prefix="commit-write")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
+        self.generation = generation or (lambda stream: "")
         self.on_lost = on_lost or (lambda stream, error: None)
         self.failure: BaseException | None = None
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
@@ -289,7 +296,8 @@ class Committer:
                         {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items() if name in shard.moments},
                         self._writes.submit(write_data, self.storage, shard.stream,
-                                            fmt.shard_file(shard.shard, self.attempt), parts, self.guard))
+                                            fmt.shard_file(shard.shard, self.attempt), parts, self.guard,
+                                            self.generation(shard.stream)))
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
@@ -304,6 +312,7 @@ class Committer:
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
         encoded.written.result()
+        manifest = dataclasses.replace(manifest, generation=self.generation(shard.stream))
         try:
             commit(self.storage, manifest, None, self.guard)
         except CommitLost as e:
@@ -312,4 +321,4 @@ class Committer:
         self.guard(shard.stream)
         self.on_commit(manifest)
         if shard.final:  # what writers that lost the stream left behind, now that none of it can be committed
-            sweep(self.storage, shard.stream)
+            sweep(self.storage, shard.stream, manifest.generation)

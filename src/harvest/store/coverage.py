@@ -124,7 +124,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
     for sh in shards:
         sc = sh.sidecar
         start, next_ = sc.start, sc.next
-        data_rel = fmt.data_path(s, sc.file)
+        data_rel = fmt.data_path(s, sc.file, sc.generation)
         if sh.sample_ids is not None and len(sh.sample_ids):
             sid, var = sh.sample_ids, sh.variants.astype(np.int64)
             index = sid // num_streams

@@ -10,7 +10,10 @@ OUT/stream_00003/shard_000012-ATTEMPT.safetensors  {point}.{layer} [n_tokens, d]
 OUT/stream_00003/shard_000012.json                 the commit marker: written after the data; without it the
                                                    shard does not exist
 OUT/stream_00003/progress.json                     for `harvest status`; never read for correctness
-OUT/stream_00003/lease.json                        who writes this stream
+OUT/stream_00003/lease.json                        who writes this stream, and its generation
+OUT/stream_00003/gen_GENERATION/shard_...          a stream's shards after an --overwrite: each wipe starts a
+                                                   generation of its own (named in lease.json), whose sidecars
+                                                   and data objects lie in their own directory
 ```
 A stream is a sequence of *pieces*: (index, variant), index = the record's line in the stream,
 variant = which of the pieces a record gave (ARC augmentations, chunks of a long text). A shard
@@ -59,6 +62,8 @@ STREAM_FILES = {PROGRESS, LEASE}  # in a stream directory besides data objects a
 _STREAM_DIR = re.compile(r"^stream_(\d{5})$")
 _SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
 _DATA_FILE = re.compile(r"^shard_(\d{6})(?:-([0-9a-f]{8,32}))?\.safetensors$")
+_GENERATION = re.compile(r"^[0-9a-f]{16}$")
+_GENERATION_DIR = re.compile(r"^gen_([0-9a-f]{16})$")
 
 
 def stream_dir(stream: int) -> str:
@@ -85,14 +90,31 @@ def sidecar_shard(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def sidecar_path(stream: int, shard: int) -> str:
+def is_generation(generation: str) -> bool:
+    """Whether `generation` names a stream's generation: "" (the stream directory itself: never wiped, or
+    written before generations existed) or 16 hex digits (harvest.store.commit.wipe)."""
+    return generation == "" or bool(_GENERATION.match(generation))
+
+
+def shard_dir(stream: int, generation: str = "") -> str:
+    """Where a stream's sidecars and data objects of `generation` lie, relative to the run."""
+    return f"{stream_dir(stream)}/gen_{generation}" if generation else stream_dir(stream)
+
+
+def dir_generation(name: str) -> str | None:
+    """The generation of a generation directory's name (as `shard_dir` makes them), None for any other name."""
+    m = _GENERATION_DIR.match(name)
+    return m.group(1) if m else None
+
+
+def sidecar_path(stream: int, shard: int, generation: str = "") -> str:
     """A shard's sidecar, relative to the run."""
-    return f"{stream_dir(stream)}/{sidecar_name(shard)}"
+    return f"{shard_dir(stream, generation)}/{sidecar_name(shard)}"
 
 
-def data_path(stream: int, file: str) -> str:
+def data_path(stream: int, file: str, generation: str = "") -> str:
     """A data object of a stream (`file` as a sidecar names it), relative to the run."""
-    return f"{stream_dir(stream)}/{file}"
+    return f"{shard_dir(stream, generation)}/{file}"
 
 
 def progress_path(stream: int) -> str:

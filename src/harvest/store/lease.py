@@ -4,7 +4,9 @@ commit itself: harvest.store.commit); leases keep two workers from computing the
 
 `stream_NNNNN/lease.json` (a LeaseRecord) holds the holder's random per-process id, its TTL and a version.
 Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
-object's version (`Storage.replace_if`), so of two contenders exactly one wins.
+object's version (`Storage.replace_if`), so of two contenders exactly one wins. It also names the stream's
+generation (where its shards lie: harvest.store.commit), which every rewrite carries on and only a wipe
+changes (`start_generation`), by a swap that lands only while the wiper holds the stream.
 
 Staleness is decided by the TTL alone, wherever the taker runs, with no wall clock compared across hosts:
 - anyone takes a released lease at once;
@@ -28,6 +30,7 @@ unreachable). A taker waits a whole TTL of silence, so the holder has stopped ha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -177,9 +180,11 @@ class Leases:
                 else:
                     watched[stream] = seen
 
-    def _record(self, version: int, released: bool = False) -> LeaseRecord:
+    def _record(self, version: int, like: LeaseRecord | None, released: bool = False) -> LeaseRecord:
+        """This worker's record of the lease after `like` (None: a fresh lease), its generation carried on."""
         return LeaseRecord(worker=self.worker, version=version, heartbeat_at=now_iso(), holder=self.id,
-                           ttl_s=self.ttl_s, host=self.host, pid=self.pid, process=self.process, released=released)
+                           ttl_s=self.ttl_s, host=self.host, pid=self.pid, process=self.process, released=released,
+                           generation=like.generation if like else "", ended=list(like.ended) if like else [])
 
     def _try_take(self, stream: int, watched: _Watched | None) -> _Watched | None:
         """Take the lease if it may be taken now (None); else what is watched of it from now on. Raises
@@ -189,7 +194,7 @@ class Leases:
         while True:
             current = self.storage.read_versioned(rel)
             if current is None:
-                mine = self._record(1)
+                mine = self._record(1, None)
                 first_sent = self.clock.monotonic() if first_sent is None else first_sent
                 if self.storage.create_exclusive(rel, mine.to_bytes()):
                     self._take(stream, mine, rel, first_sent)
@@ -212,7 +217,7 @@ class Leases:
                     return watched
                 log.warning("stream %d: %s left its lease unchanged for %.0fs (its --lease-ttl %.0fs); taking it over",
                             stream, held.describe(), now - watched.since, held.ttl_s)
-            mine = self._record(held.version + 1)
+            mine = self._record(held.version + 1, held)
             first_sent = now if first_sent is None else first_sent
             if self.storage.replace_if(rel, mine.to_bytes(), current.token):
                 self._take(stream, mine, rel, first_sent)
@@ -254,11 +259,23 @@ class Leases:
         if lost is not None:
             raise lost
 
-    def confirm(self, stream: int) -> None:
-        """Refresh the lease now, then `check`: before a delete that must land while this worker holds the stream
-        (a wipe). A taker waits a whole TTL from then, so the delete has that long to land."""
-        self.refresh(stream)
+    def generation(self, stream: int) -> str:
+        """The generation of `stream` this worker writes (harvest.store.commit): the one its lease names."""
+        held = self._held.get(stream)
+        if held is None:
+            raise FencedOut(f"stream {stream}: this worker holds no lease on it")
+        return held.record.generation
+
+    def start_generation(self, stream: int, generation: str) -> list[str]:
+        """Make `generation` the stream's current one (a wipe: harvest.store.commit.wipe), by one
+        compare-and-swap of the lease from the version this worker holds: it lands only while this worker
+        holds the stream. Returns the generations ended so far, the one just ended last; raises, and ends
+        nothing, when the stream was lost."""
         self.check(stream)
+        held = self._held[stream].record
+        self.refresh(stream, {"generation": generation, "ended": [*held.ended, held.generation]})
+        self.check(stream)
+        return list(self._held[stream].record.ended)
 
     def lose(self, stream: int, error: UserError) -> UserError:
         """Record that this worker may no longer write `stream` (e.g. another writer committed its next
@@ -287,8 +304,9 @@ class Leases:
         while not self._stop.wait(self.heartbeat_interval()):
             self.heartbeat_once()
 
-    def refresh(self, stream: int) -> None:
-        """One heartbeat: a compare-and-swap from the version this worker wrote last to the next one.
+    def refresh(self, stream: int, change: dict | None = None) -> None:
+        """One heartbeat: a compare-and-swap from the version this worker wrote last to the next one, with the
+        fields in `change` set (a new generation: `start_generation`).
 
         A swap whose reply was lost may still have landed; the retry then fails against this process's own
         record. Read back, a record naming this process's id is ours (no one else writes it): it is adopted
@@ -301,7 +319,7 @@ class Leases:
                 if held is None:
                     return
                 sent = self.clock.monotonic()  # fresh from when the heartbeat was written, not acknowledged
-                mine = self._record(held.record.version + 1)
+                mine = dataclasses.replace(self._record(held.record.version + 1, held.record), **(change or {}))
                 self.storage.replace_if(rel, mine.to_bytes(), held.token)
                 current = self.storage.read_versioned(rel)
                 record = _parse(current, rel) if current is not None else None
@@ -327,7 +345,7 @@ class Leases:
                 held = self._held.pop(stream, None)
             if held is None:
                 return
-            released = self._record(held.record.version + 1, released=True)
+            released = self._record(held.record.version + 1, held.record, released=True)
             try:
                 self.storage.replace_if(_rel(stream), released.to_bytes(), held.token)
             except UserError as e:  # it is taken over after its TTL instead

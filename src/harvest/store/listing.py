@@ -5,6 +5,9 @@ Only committed shards exist: a shard is there when its sidecar (`shard_NNNNNN.js
 lies in the stream directory; the sidecar names the data object it commits. A stream's committed shards are
 its chain: sidecars from shard 0 on, each continuing the one before. Readers read only the streams run.json
 names, never every `stream_*` directory on storage (an overwrite with fewer streams may leave others).
+A stream's shards are those of its current generation (harvest.store.commit: a wipe starts a new one), named
+in its lease.json and kept in that generation's directory; a stream without a lease has generation "", its
+own directory (every run written before generations existed).
 Strict (the default) refuses a chain with a gap, a damaged sidecar or one that does not continue its
 predecessor in one line; lenient (status, which must show a broken run) keeps the chain up to the break.
 """
@@ -18,7 +21,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.records import Progress, RunInfo, Sidecar
+from harvest.store.records import LeaseRecord, Progress, RunInfo, Sidecar
 
 SHARD_ARRAYS = ("tokens", "offsets", "sample_ids", "variants")  # the non-activation tensors of a shard
 _IO_THREADS = 16
@@ -55,9 +58,21 @@ def stream_count(info: RunInfo, stream: int) -> int | None:
     return int(counts[stream]) if stream < len(counts) else None
 
 
-def sidecar_numbers(storage: Storage, stream: int) -> list[int]:
-    """The shard numbers that have a sidecar in a stream's directory, in order."""
-    return sorted(k for name in storage.listdir(fmt.stream_dir(stream)) if (k := fmt.sidecar_shard(name)) is not None)
+def sidecar_numbers(storage: Storage, stream: int, generation: str = "") -> list[int]:
+    """The shard numbers that have a sidecar in a stream's `generation`, in order."""
+    return sorted(k for name in storage.listdir(fmt.shard_dir(stream, generation))
+                  if (k := fmt.sidecar_shard(name)) is not None)
+
+
+def stream_generation(storage: Storage, stream: int) -> str:
+    """The stream's current generation, as its lease.json names it ("" without one)."""
+    rel = f"{fmt.stream_dir(stream)}/{fmt.LEASE}"
+    current = storage.read_versioned(rel)
+    try:
+        return LeaseRecord.from_bytes(current.data).generation if current is not None else ""
+    except ValueError as e:
+        raise UserError(f"{storage.url_of(rel)}: not a harvest lease ({e}); it names the generation the "
+                        "stream's shards lie in, so the stream cannot be read") from None
 
 
 def list_stream_dirs(storage: Storage) -> list[int]:
@@ -81,31 +96,38 @@ def read_run_info(storage: Storage) -> RunInfo:
     return info
 
 
-def read_sidecar(storage: Storage, stream: int, shard: int) -> Sidecar:
-    """One sidecar, checked to name its own stream and shard. ValueError saying what is wrong with it;
-    storage's own error (a UserError naming the file) when it cannot be read."""
-    sidecar = Sidecar.from_bytes(storage.read_bytes(fmt.sidecar_path(stream, shard)))
+def read_sidecar(storage: Storage, stream: int, shard: int, generation: str = "") -> Sidecar:
+    """One sidecar, checked to name its own stream, shard and generation. ValueError saying what is wrong with
+    it; storage's own error (a UserError naming the file) when it cannot be read."""
+    sidecar = Sidecar.from_bytes(storage.read_bytes(fmt.sidecar_path(stream, shard, generation)))
     if sidecar.stream != stream:
         raise ValueError(f"says stream {sidecar.stream}, lies in {fmt.stream_dir(stream)}")
     if sidecar.shard != shard:
         raise ValueError(f"says shard {sidecar.shard}, named {fmt.shard_stem(shard)}")
+    if sidecar.generation != generation:
+        raise ValueError(f"says generation {sidecar.generation!r}, lies in {fmt.shard_dir(stream, generation)}")
     return sidecar
 
 
 def read_chains(storage: Storage, streams: list[int], *, strict: bool = True,
-                known: dict[tuple[int, int], Sidecar] | None = None, threads: int = _IO_THREADS
-                ) -> dict[int, list[Sidecar]]:
-    """Each stream's chain of committed shards; listings and sidecars are read `threads` at a time (those in
-    `known`, a cache of sidecars already read, are not read again: a committed sidecar never changes).
-    Strict: UserError in one line for a gap, a damaged sidecar, or one that does not continue its
-    predecessor; lenient: each chain up to its first break."""
+                known: dict[tuple[int, int], Sidecar] | None = None, threads: int = _IO_THREADS,
+                generations: dict[int, str] | None = None) -> dict[int, list[Sidecar]]:
+    """Each stream's chain of committed shards in its current generation (or the one `generations` names);
+    listings and sidecars are read `threads` at a time (those in `known`, a cache of sidecars already read, are
+    not read again: a committed sidecar never changes within its generation). Strict: UserError in one line
+    for a gap, a damaged sidecar, or one that does not continue its predecessor; lenient: each chain up to its
+    first break."""
     known = {} if known is None else known
-    numbers = dict(zip(streams, _map(lambda s: sidecar_numbers(storage, s), streams, threads)))
+    if generations is None:
+        generations = dict(zip(streams, _map(lambda s: stream_generation(storage, s), streams, threads)))
+    numbers = dict(zip(streams, _map(lambda s: sidecar_numbers(storage, s, generations[s]), streams, threads)))
+    for key in [key for key in known if key[0] in generations and known[key].generation != generations[key[0]]]:
+        del known[key]  # of an ended generation
     wanted = [(s, k) for s in streams for k in _contiguous(numbers[s]) if (s, k) not in known]
 
     def read(job: tuple[int, int]) -> Sidecar | str:
         try:
-            return read_sidecar(storage, *job)
+            return read_sidecar(storage, *job, generations[job[0]])
         except ValueError as e:
             return str(e)
         except UserError as e:  # storage's error names the file
@@ -117,23 +139,26 @@ def read_chains(storage: Storage, streams: list[int], *, strict: bool = True,
     for key, sidecar in read_now.items():
         if isinstance(sidecar, Sidecar):
             known[key] = sidecar
-    return {s: _chain(storage, s, numbers[s], {**read_now, **known}, strict) for s in streams}
+    return {s: _chain(storage, s, generations[s], numbers[s], {**read_now, **known}, strict) for s in streams}
 
 
-def read_chain(storage: Storage, stream: int) -> list[Sidecar]:
-    """One stream's chain of committed shards, strict, read in order on the caller's thread: a writer's
-    resume point (see read_chains)."""
-    return read_chains(storage, [stream], threads=1)[stream]
+def read_chain(storage: Storage, stream: int, generation: str | None = None) -> list[Sidecar]:
+    """One stream's chain of committed shards in its current generation (or `generation`), strict, read in order
+    on the caller's thread: a writer's resume point (see read_chains)."""
+    return read_chains(storage, [stream], threads=1,
+                       generations=None if generation is None else {stream: generation})[stream]
 
 
-def _chain(storage: Storage, stream: int, numbers: list[int], sidecars: dict, strict: bool) -> list[Sidecar]:
+def _chain(storage: Storage, stream: int, generation: str, numbers: list[int], sidecars: dict, strict: bool
+           ) -> list[Sidecar]:
     chain: list[Sidecar] = []
     for expected, number in enumerate(numbers):
-        rel = fmt.sidecar_path(stream, number)
+        rel = fmt.sidecar_path(stream, number, generation)
         if number != expected:
-            problem = (f"{storage.url_of(fmt.sidecar_path(stream, expected))} is missing while later shards of the "
-                       "stream are committed (lost from storage, or an --overwrite cut short): the stream cannot be "
-                       "read or resumed past it; rerun with --overwrite to start it over")
+            missing = storage.url_of(fmt.sidecar_path(stream, expected, generation))
+            problem = (f"{missing} is missing while later shards of the stream are committed (lost from storage, or "
+                       "an --overwrite cut short): the stream cannot be read or resumed past it; rerun with --overwrite "
+                       "to start it over")
         elif isinstance(sidecar := sidecars[(stream, number)], str):
             problem = (f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else "
                        "is wrong")

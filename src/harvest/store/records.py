@@ -96,7 +96,10 @@ class LeaseRecord(Record):
     back (worker ids, hosts and pids repeat across containers). `ttl_s` is the holder's: a taker waits that
     long, on its own monotonic clock, for the version to move before it judges the lease stale.
     `process` says where the holder runs (harvest.store.lease.process_key), to prove it gone on this host.
-    `heartbeat_at` is for people (`harvest status`); no decision reads it.
+    `heartbeat_at` is for people (`harvest status`); no decision reads it. `generation`: the stream's current
+    generation, where its readers and writers find its shards (harvest.store.format.shard_dir); `ended`: the
+    generations wipes ended, whose objects the next wipe deletes again (a stalled writer may still land some).
+    Every rewrite of the lease carries both on; only a wipe changes them (harvest.store.commit).
     """
 
     worker: str
@@ -108,6 +111,15 @@ class LeaseRecord(Record):
     pid: int = 0
     process: str = ""
     released: bool = False
+    generation: str = ""
+    ended: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> LeaseRecord:
+        lease = super().from_json(obj)
+        if not all(isinstance(g, str) and fmt.is_generation(g) for g in [lease.generation, *lease.ended]):
+            raise ValueError(f"field 'generation' or 'ended': not a generation ({lease.generation!r}, {lease.ended!r})")
+        return lease
 
     def describe(self) -> str:
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
@@ -133,6 +145,7 @@ class Sidecar(Record):
     `digest` and `tensor_digests` and writes back under those keys. `quantization`: {dtype, scheme} where the
     tensors are stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
     of each sample's first token alone (before quantization), to tell how much the attention sinks hold.
+    `generation`: the stream's generation it was committed in (harvest.store.format.shard_dir; "" is left out).
     """
 
     format_version: int
@@ -155,6 +168,7 @@ class Sidecar(Record):
     quantization: dict | None = None
     first_stats: dict | None = None
     checksum: str | None = None  # None: an older sidecar (the whole file's sha256, per-tensor sha256)
+    generation: str = ""
 
     @classmethod
     def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
@@ -198,6 +212,8 @@ class Sidecar(Record):
 
     def to_json(self) -> dict[str, Any]:
         obj = super().to_json()
+        if not self.generation:  # as sidecars were before generations: a stream never wiped reads the same
+            del obj["generation"]
         if self.checksum is None:  # an older sidecar keeps its own keys
             obj["sha256"] = obj.pop("digest")
             obj.pop("checksum")
@@ -217,6 +233,8 @@ class Sidecar(Record):
             raise ValueError(f"start {list(sidecar.start)} after next {list(sidecar.next)}")
         if fmt.data_file_shard(sidecar.file) != sidecar.shard:  # a name from storage: never a path elsewhere
             raise ValueError(f"field 'file': {sidecar.file!r} is not a data object of shard {sidecar.shard}")
+        if not fmt.is_generation(sidecar.generation):
+            raise ValueError(f"field 'generation': {sidecar.generation!r} is not a generation")
         return sidecar
 
 

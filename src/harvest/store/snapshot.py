@@ -170,7 +170,7 @@ class Snapshot:
 
 def shard_path(sidecar: Sidecar) -> str:
     """The data object a sidecar commits, relative to the run."""
-    return fmt.data_path(sidecar.stream, sidecar.file)
+    return fmt.data_path(sidecar.stream, sidecar.file, sidecar.generation)
 
 
 def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:

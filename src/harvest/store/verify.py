@@ -41,7 +41,7 @@ from harvest.store import format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
 from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
-                                   read_sidecar)
+                                   read_sidecar, stream_generation)
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.report import human_bytes
 
@@ -94,7 +94,8 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
         listing = {s: list_stream(storage, s, problems) for s in streams}
         jobs = [(s, k) for s in streams for k in listing[s][0]]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            sidecars = dict(zip(jobs, pool.map(lambda job: checked_sidecar(storage, *job, problems), jobs)))
+            sidecars = dict(zip(jobs, pool.map(lambda job: checked_sidecar(storage, *job, problems, listing[job[0]][2]),
+                                               jobs)))
             checked = [(s, k) for s in streams for k in listing[s][0] if sidecars[(s, k)] is not None]
             results = pool.map(lambda job: check_shard(storage, info, job[0], listing[job[0]][1], sidecars[job],
                                                        problems), checked)
@@ -103,7 +104,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
             shards = [Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
                       for k in listing[s][0] if sidecars[(s, k)] is not None]
             named = {sh.sidecar.file for sh in shards}
-            report.leftovers += [fmt.data_path(s, name) for name in listing[s][1] if name not in named]
+            report.leftovers += [fmt.data_path(s, name, listing[s][2]) for name in listing[s][1] if name not in named]
             check_stream(info, s, shards, problems, report)
     report.problems = problems.lines(storage.url)
     return report
@@ -163,37 +164,39 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     return typed
 
 
-def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str]]:
-    """The shard numbers that have a sidecar, and the data objects there; reports unknown files."""
-    sdir = fmt.stream_dir(s)
+def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str], str]:
+    """The shard numbers that have a sidecar in the stream's current generation, the data objects there, and the
+    generation; reports unknown files (what ended generations left is not checked)."""
+    generation = stream_generation(storage, s)
+    sdir = fmt.shard_dir(s, generation)
     sidecars, files = [], set()
     for name in storage.listdir(sdir):
         if (k := fmt.sidecar_shard(name)) is not None:
             sidecars.append(k)
         elif fmt.data_file_shard(name) is not None:
             files.add(name)
-        elif name not in fmt.STREAM_FILES:
+        elif name not in fmt.STREAM_FILES and fmt.dir_generation(name) is None:
             problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
                                            "progress.json or lease.json)")
-    return sorted(sidecars), files
+    return sorted(sidecars), files, generation
 
 
-def checked_sidecar(storage: Storage, s: int, k: int, problems: Problems) -> Sidecar | None:
+def checked_sidecar(storage: Storage, s: int, k: int, problems: Problems, generation: str) -> Sidecar | None:
     """A sidecar as the one reader of committed state reads it; None (and a problem) when it cannot be used."""
     try:
-        return read_sidecar(storage, s, k)
+        return read_sidecar(storage, s, k, generation)
     except UserError as e:
-        problems.add(fmt.sidecar_path(s, k), f"unreadable sidecar ({e})")
+        problems.add(fmt.sidecar_path(s, k, generation), f"unreadable sidecar ({e})")
     except ValueError as e:
-        problems.add(fmt.sidecar_path(s, k), f"bad sidecar: {e}")
+        problems.add(fmt.sidecar_path(s, k, generation), f"bad sidecar: {e}")
     return None
 
 
 def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Sidecar, problems: Problems):
     """Checksum and structure of one shard file; returns its (sample_ids, variants) or (None, None)."""
-    rel, k = fmt.data_path(s, sc.file), sc.shard
+    rel, k = fmt.data_path(s, sc.file, sc.generation), sc.shard
     if sc.file not in files:
-        problems.add(fmt.sidecar_path(s, k), f"sidecar without its data: {sc.file} is missing")
+        problems.add(fmt.sidecar_path(s, k, sc.generation), f"sidecar without its data: {sc.file} is missing")
         return None, None
     try:
         data = storage.read_bytes(rel)
