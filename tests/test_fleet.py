@@ -566,11 +566,13 @@ def test_trm_plan_refuses_with_one_line(tmp_path, capsys, puzzles_bucket, change
     assert not (tmp_path / "tasks").exists()
 
 
-def test_sae_plan_refuses_a_batch_that_does_not_split_and_puzzles(tmp_path, capsys):
+def test_sae_plan_refuses_a_batch_that_does_not_split_puzzles_and_a_follow_over_hosts(tmp_path, capsys):
     for changes, message in (
             ({"sae": {**SAE_GPUS["sae"], "batch_tokens": 8190}}, "batch_tokens 8190 / 2 runs = 4095 does not split "
                                                                  "over the mesh's 2 data slots"),
-            ({"puzzles": {"kind": "maze"}}, "puzzles: builds a TRM's dataset; it goes with a train: job, not sae:")):
+            ({"puzzles": {"kind": "maze"}}, "puzzles: builds a TRM's dataset; it goes with a train: job, not sae:"),
+            ({"sae": {**SAE_GPUS["sae"], "follow": True}}, "sae: follow reads a run still being written with one "
+                                                           "process, and H100:8 runs 2 hosts")):
         path = write_fleet(tmp_path / "fleet.yaml", {**SAE_GPUS, **changes})
         code, out, err = run_cli(capsys, "fleet", "plan", str(path))
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err

@@ -123,6 +123,10 @@ def training_shape(spec: FleetSpec, group: Group, shape: Topology, cfg: Any) -> 
     except UserError as e:
         raise FleetError(f"{where}: mesh {spec_text} does not fit {shape.accelerator} ({shape.describe()}, "
                          f"{shape.devices} devices): {e}") from None
+    if kind == "sae" and cfg.follow and shape.hosts > 1:
+        raise FleetError(f"{where}: sae: follow reads a run still being written with one process, and "
+                         f"{shape.accelerator} runs {shape.hosts} hosts; follow on one host, or train once the run "
+                         f"is complete")
     if kind == "trm" and mesh["model"] > 1:
         raise FleetError(f"{where}: mesh {spec_text}: a TRM is replicated, not split over model; put the devices "
                          f"on data and fsdp")
