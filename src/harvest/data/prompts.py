@@ -190,9 +190,7 @@ class PlainTokenizer:
             spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-        if not isinstance(config, dict) or config.get("tokenizer_class") not in cls.GENERIC:
-            return None
-        if set(config) - cls.NEUTRAL:
+        if not isinstance(config, dict) or config.get("tokenizer_class") not in cls.GENERIC or set(config) - cls.NEUTRAL:
             return None
         if spec.get("truncation") is not None or spec.get("padding") is not None:
             return None
