@@ -482,34 +482,3 @@ def test_arc_bad_tasks_give_precise_reasons(mutate, reason):
     with pytest.raises(SampleError) as e:
         make_renderer("arc", None)(rec(task))
     assert e.value.reason == reason
-
-
-TOKENIZER_TEXTS = ["plain words", "<|im_start|>user\nhi<|im_end|>", "naïve café – 東京 🙂", "  spaced  out  ", "x"]
-
-
-@pytest.mark.parametrize("change", [None, {"add_bos_token": True, "bos_token": "<|im_start|>"},
-                                    {"additional_special_tokens": ["<|new|>"]}, {"tokenizer_class": "Qwen2Tokenizer"}])
-def test_tokenizer_without_transformers_gives_transformers_ids(tmp_path, change):
-    """Text and ARC prompts load tokenizer.json with the tokenizers library alone (no torch import) only where
-    transformers would run it unchanged; where tokenizer_config.json changes it, transformers loads it: either
-    way the ids are transformers' own."""
-    import transformers
-
-    from harvest.data.prompts import PlainTokenizer, encoder, load_tokenizer
-    from harvest.demo import demo_checkpoint
-
-    checkpoint = tmp_path / "tok"
-    checkpoint.mkdir()
-    demo = demo_checkpoint(tmp_path / "demo")
-    (checkpoint / "tokenizer.json").write_bytes((demo / "tokenizer.json").read_bytes())
-    config = {**json.loads((demo / "tokenizer_config.json").read_text()), **(change or {})}
-    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
-    ours = load_tokenizer(checkpoint, templates=False)
-    assert isinstance(ours, PlainTokenizer) == (change is None)
-    if change and change.get("tokenizer_class") == "Qwen2Tokenizer":
-        return  # a class transformers builds from its own parts: never read plainly (this byte tokenizer is no Qwen2's)
-    theirs = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
-    texts = TOKENIZER_TEXTS + ["<|new|> and <|im_start|>"]
-    for fmt, special in (("text", True), ("chat", False)):
-        assert encoder(ours, fmt)(texts) == theirs(texts, add_special_tokens=special)["input_ids"], (fmt, change)
-    assert isinstance(load_tokenizer(checkpoint), transformers.PreTrainedTokenizerBase)  # chat templates need it

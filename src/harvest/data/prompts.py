@@ -139,19 +139,13 @@ def make_renderer(fmt: str, tokenizer: Any, *, text_field: str = "text", arc: Ar
     raise UserError(f"--format: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
-def load_tokenizer(checkpoint, templates: bool = True) -> Any:
-    """The checkpoint's own tokenizer (transformers, fast), chat template included. Without `templates` (text and
-    ARC prompts need none), a checkpoint whose tokenizer transformers would take from tokenizer.json unchanged
-    loads it with the tokenizers library alone (PlainTokenizer, the same ids): transformers imports torch where it
-    is installed, seconds of a job's start."""
+def load_tokenizer(checkpoint) -> Any:
+    """The checkpoint's own tokenizer (transformers, fast), chat template included."""
     from pathlib import Path
 
     path = Path(checkpoint)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise UserError(f"--model {path}: no tokenizer files (tokenizer.json) in the checkpoint directory")
-    plain = None if templates else PlainTokenizer.load(path)
-    if plain is not None:
-        return plain
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found" is no news to harvest
@@ -163,62 +157,6 @@ def load_tokenizer(checkpoint, templates: bool = True) -> Any:
         raise UserError(f"--model {path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
     tokenizer.model_max_length = 2**62  # lengths are --max-seq-len's business, not a warning's
     return tokenizer
-
-
-class PlainTokenizer:
-    """tokenizer.json through the tokenizers library, called as transformers' tokenizer is for ids. Used only where
-    transformers (5.x) would run that same tokenizer as it is: its generic fast class, every special token
-    already in tokenizer.json, and no setting in tokenizer_config.json that changes how text becomes ids."""
-
-    GENERIC = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}
-    # tokenizer_config.json keys that leave text -> ids as tokenizer.json has it (special tokens checked apart).
-    NEUTRAL = {"tokenizer_class", "model_max_length", "chat_template", "clean_up_tokenization_spaces",
-               "added_tokens_decoder", "additional_special_tokens", "extra_special_tokens", "padding_side",
-               "truncation_side", "model_input_names", "bos_token", "eos_token", "pad_token", "unk_token",
-               "sep_token", "cls_token", "mask_token"}
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    @classmethod
-    def load(cls, path) -> "PlainTokenizer | None":
-        """The checkpoint's tokenizer, or None where transformers would change it (or cannot read it plainly)."""
-        import json
-
-        try:
-            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
-            spec = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
-        if not isinstance(config, dict) or config.get("tokenizer_class") not in cls.GENERIC or set(config) - cls.NEUTRAL:
-            return None
-        if spec.get("truncation") is not None or spec.get("padding") is not None:
-            return None
-        named = [config.get(k) for k in cls.NEUTRAL if k.endswith("_token")]
-        named += list(config.get("additional_special_tokens") or []) + list(config.get("extra_special_tokens") or [])
-        named += list((config.get("added_tokens_decoder") or {}).values())
-        known = {t.get("content"): t for t in spec.get("added_tokens") or []}
-        if not all(token is None or cls._added(token, known) for token in named):
-            return None  # transformers would add it to the vocabulary, or with other flags
-        import tokenizers
-
-        try:
-            return cls(tokenizers.Tokenizer.from_str(json.dumps(spec)))
-        except Exception:  # noqa: BLE001 (transformers' loader then says what is wrong with it)
-            return None
-
-    @staticmethod
-    def _added(token, known: dict) -> bool:
-        """Whether tokenizer.json already holds `token` (a string, or an AddedToken's fields) as it is named."""
-        if isinstance(token, str):
-            return token in known
-        if not isinstance(token, dict) or token.get("content") not in known:
-            return False
-        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
-        return all(token[f] == known[token["content"]].get(f) for f in flags if f in token)
-
-    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
-        return {"input_ids": [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]}
 
 
 def special_token_ids(checkpoint) -> list[int]:

@@ -60,10 +60,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     clock = Startup()
     clock.span("imports", 0.0)
     checkpoint = resolve_checkpoint(cfg.model)
-    # The tokenizer loads beside the backend's start (transformers, for chat templates or a tokenizer it adapts,
-    # imports torch where it is installed: seconds).
-    tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint,
-                                       cfg.format == "chat")
+    # The tokenizer loads beside the backend's start (transformers imports torch where it is installed: seconds).
+    tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint)
     backend_start = since_start()
     # Without a --mesh, a one-process CPU run is one slot whose batches take the host's cores in turn.
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
