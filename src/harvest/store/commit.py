@@ -28,6 +28,7 @@ of committed shards (harvest.store.listing.read_chain, strict: the one reader of
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import queue
@@ -267,12 +268,25 @@ class Committer:
 
     def _run(self, q: queue.Queue) -> None:
         while (encoded := q.get()) is not None:
-            if self.failure is not None:
-                continue  # drain: the run is failing, the main thread will raise
+            if self.failure is not None:  # drain: the run is failing, the main thread will raise
+                self._discard(encoded)
+                continue
             try:
                 self._commit(encoded)
             except BaseException as e:  # surfaced to the main thread by check()
                 self.failure = self._cause(encoded.shard.stream, e)
+
+    def _discard(self, encoded: _Encoded) -> None:
+        """A shard this writer will not commit: its data object, written as soon as the shard closed, is deleted
+        once its write ends (the name carries this attempt's id, so no other writer's object is touched)."""
+        try:
+            encoded.written.result()
+        except BaseException:
+            return  # never written
+        stream = encoded.shard.stream
+        with contextlib.suppress(UserError):
+            self.storage.delete(fmt.data_path(stream, fmt.shard_file(encoded.shard.shard, self.attempt),
+                                              self.generation(stream)))
 
     def _cause(self, stream: int, error: BaseException) -> BaseException:
         """A write that failed because this worker lost the stream (the new holder cleared its temp files,
