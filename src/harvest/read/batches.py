@@ -256,8 +256,10 @@ class TokenBatches:
         self._epoch_counts = counts
         writing = sum(1 for s in counts if not view.done(s))
         self.shards_seen = len(view.shards)
-        log.info("%s: epoch %d reads %d committed shards (%d tokens, %d streams%s)", view.url, self._cursor.epoch,
-                 len(view.shards), view.num_tokens, len(counts), f", {writing} still being written" if writing else "")
+        # said once, and again while the run grows: a small run read for many epochs would repeat it each time
+        say = log.info if self._cursor.epoch == 0 or writing else log.debug
+        say("%s: epoch %d reads %d committed shards (%d tokens, %d streams%s)", view.url, self._cursor.epoch,
+            len(view.shards), view.num_tokens, len(counts), f", {writing} still being written" if writing else "")
         return list(view.shards)
 
     def _plan(self, order: Order, shards: list[Sidecar], round_: int = 0) -> list[list[shuffle.Piece]]:
