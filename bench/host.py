@@ -80,8 +80,9 @@ from harvest.extract.report import Progress  # noqa: E402
 from harvest.extract.shards import ShardWriter  # noqa: E402
 from harvest.model import moments, parse_points  # noqa: E402
 from harvest.model.moments import piece_moments  # noqa: E402
-from harvest.store import format as fmt  # noqa: E402
+from harvest.store import encoding, format as fmt  # noqa: E402
 from harvest.store.commit import Committer, ResumePoint  # noqa: E402
+from harvest.store.stats import RunningStats  # noqa: E402
 from harvest.storage import Storage  # noqa: E402
 
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
@@ -235,8 +236,8 @@ def floor(shards_parts: list, directory: Path, hasher, threads: int) -> float:
 
 
 def checksums() -> dict:
-    """The checksums a sidecar may name (format.CHECKSUMS), and zlib's crc32 for comparison."""
-    out = {"sha256": hashlib.sha256, "xxh3_128": lambda: fmt.hasher("xxh3_128")}
+    """The checksums a sidecar may name (encoding.CHECKSUMS), and zlib's crc32 for comparison."""
+    out = {"sha256": hashlib.sha256, "xxh3_128": lambda: encoding.hasher("xxh3_128")}
 
     class Crc32:  # zlib's crc32 (a different polynomial from crc32c, about as fast in software)
         def __init__(self):
@@ -265,12 +266,12 @@ def stages(args, shards, directory: Path, nbytes: int) -> list[tuple[str, float]
         return out
 
     timed("stats: pieces' device moments merged (fp64)",
-          lambda s: [fmt.RunningStats.of_pieces(b, *s.moments[n]) for n, b in s.tensors.items()], shards)
-    parts = timed("encoding: safetensors header + parts", lambda s: fmt.shard_parts(
+          lambda s: [RunningStats.of_pieces(b, *s.moments[n]) for n, b in s.tensors.items()], shards)
+    parts = timed("encoding: safetensors header + parts", lambda s: encoding.shard_parts(
         s.tensors, s.tokens, s.lengths, s.sample_ids, s.variants, {"stream": "0", "shard": str(s.shard)}), shards)
-    for checksum in fmt.CHECKSUMS:
+    for checksum in encoding.CHECKSUMS:
         timed(f"checksums: {checksum} of each tensor, the file's derived (one pass)",
-              lambda p: fmt.shard_digests(p, checksum), parts)
+              lambda p: encoding.shard_digests(p, checksum), parts)
     storage = Storage(str(directory))
 
     def write(p):
@@ -292,7 +293,7 @@ def host(args, directory: Path) -> tuple[list, str, int]:
     cut(args, batches, widths, collect)
     cut_rate = nbytes / (time.perf_counter() - t) / 1e9
     shards = list(collect.shards)
-    parts = [fmt.shard_parts(s.tensors, s.tokens, s.lengths, s.sample_ids, s.variants, {"stream": "0"})
+    parts = [encoding.shard_parts(s.tensors, s.tokens, s.lengths, s.sample_ids, s.variants, {"stream": "0"})
              for s in shards]
 
     def committer_alone(r: int) -> float:
@@ -307,7 +308,7 @@ def host(args, directory: Path) -> tuple[list, str, int]:
     # rounds, never speeds one up, and the best of rounds taken side by side compares like with like.
     runs: dict[str, Callable[[int], float]] = {
         **{f"stage {c}": functools.partial(lambda c, r: whole_stage(args, batches, widths, directory / f"whole-{c}{r}",
-                                                                     c), c) for c in fmt.CHECKSUMS},
+                                                                     c), c) for c in encoding.CHECKSUMS},
         "committer": committer_alone,
         **{f"floor {name}": functools.partial(lambda hasher, r: floor(parts, directory, hasher, cores), hasher)
            for name, hasher in {**checksums(), "write only": _NoHash}.items()}}
@@ -316,7 +317,7 @@ def host(args, directory: Path) -> tuple[list, str, int]:
         for name, run in runs.items():
             best[name] = min(best[name], run(r))
         print(f"  round {r + 1}: {', '.join(f'{n} {t:.1f} s' for n, t in best.items())}", flush=True)
-    seconds = {c: best[f"stage {c}"] for c in fmt.CHECKSUMS}
+    seconds = {c: best[f"stage {c}"] for c in encoding.CHECKSUMS}
     committer_rate = nbytes / best["committer"] / 1e9
     alone = stages(args, list(shards), directory, nbytes)
     floors = {name: nbytes / best[f"floor {name}"] / 1e9 for name in checksums()}
@@ -325,16 +326,16 @@ def host(args, directory: Path) -> tuple[list, str, int]:
     rows = []
     for checksum, t in seconds.items():
         stage = nbytes / t / 1e9
-        rows.append([f"host stage, {checksum}{' (default)' if checksum == fmt.default_checksum() else ''} "
+        rows.append([f"host stage, {checksum}{' (default)' if checksum == encoding.default_checksum() else ''} "
                      f"(to_shards + Committer, {len(shards)} shards)", gb, f"{t:.2f}", f"{stage:.2f}",
                      f"{stage / cores:.2f}", f"{stage / floors[checksum]:.0%} of {checksum}'s"])
     rows.append(["  alone: cutting shards (to_shards, ShardWriter)", "", "", f"{cut_rate:.2f}", "", ""])
     rows += [[f"  alone: {name}", "", "", f"{rate:.2f}", "", ""] for name, rate in alone]
-    default = fmt.default_checksum()
+    default = encoding.default_checksum()
     rows.append([f"  alone: the Committer ({default}; stats, encoding, checksums, writes; its threads)", "", "",
                  f"{committer_rate:.2f}", f"{committer_rate / cores:.2f}", f"{committer_rate / floors[default]:.0%}"])
     rows += [[f"floor: one {name} pass + one write (+fsync) of every byte", "", "", f"{rate:.2f}",
-              f"{rate / cores:.2f}", "100%" if name in fmt.CHECKSUMS else ""] for name, rate in floors.items()]
+              f"{rate / cores:.2f}", "100%" if name in encoding.CHECKSUMS else ""] for name, rate in floors.items()]
     rows.append(["floor: write (+fsync) only, no checksum", "", "", f"{write_only:.2f}", f"{write_only / cores:.2f}",
                  ""])
     return rows, f"{len(shards)} shards", nbytes

@@ -48,6 +48,7 @@ from harvest.read.run import open_run
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
 from harvest.store.commit import ClosedShard, Committer
+from harvest.store.stats import RunningStats
 
 FORMATS = ("bfloat16", "float8_e4m3fn", "int8")
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -168,7 +169,7 @@ def store_as(source: str, out: Path, dtype: str) -> tuple[float, float, int, int
         blocks = {n: [t[n][a:b] for a, b in zip(offsets[:-1], offsets[1:])] for n in names}
         start = time.perf_counter()
         if quant.is_quantized(dtype):
-            own = {n: [fmt.RunningStats.of(b) for b in bs] for n, bs in blocks.items()}
+            own = {n: [RunningStats.of(b) for b in bs] for n, bs in blocks.items()}
             moments = {n: ([s.mean for s in ss], [s.m2 for s in ss]) for n, ss in own.items()}
             code_start = time.perf_counter()
             tensors = quant.quantize_blocks(blocks, dtype)
@@ -181,7 +182,7 @@ def store_as(source: str, out: Path, dtype: str) -> tuple[float, float, int, int
                             lengths=np.diff(offsets), sample_ids=t["sample_ids"], variants=t["variants"],
                             start=sc.start, next=sc.next, row_start=sc.row_start, skipped=sc.skipped, long=sc.long,
                             final=sc.final, records=sc.records, moments=moments,
-                            first_stats={n: fmt.RunningStats.of(np.stack([b[0] for b in bs if len(b)]))
+                            first_stats={n: RunningStats.of(np.stack([b[0] for b in bs if len(b)]))
                                          for n, bs in blocks.items()},
                             quantization=quant.record(dtype))
         committer = Committer(storage, attempt="0123456789abcdef", threads=1)
@@ -255,7 +256,7 @@ def main() -> None:
     sinks = []
     for name in first.tensors:
         whole = first.stats(name)
-        heads = [fmt.RunningStats.from_json(sc.first_stats[name]) for sc in first.shards if sc.first_stats]
+        heads = [RunningStats.from_json(sc.first_stats[name]) for sc in first.shards if sc.first_stats]
         head = heads[0]
         for h in heads[1:]:
             head = head.merge(h)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from table import show  # noqa: E402
 
 from harvest.storage import Storage  # noqa: E402
-from harvest.store import format as fmt  # noqa: E402
+from harvest.store import encoding  # noqa: E402
 from harvest.store.records import Sidecar  # noqa: E402
 from harvest.store.snapshot import read_shard, shard_path  # noqa: E402
 
@@ -37,8 +37,8 @@ def write_shard(storage: Storage, tensors: int, width: int, tokens: int) -> Side
     samples = max(1, tokens // 256)
     lengths = np.full(samples, tokens // samples)
     lengths[-1] += tokens - lengths.sum()
-    parts = fmt.shard_parts(acts, np.zeros(tokens, np.int32), lengths, np.arange(samples), np.zeros(samples, np.int32),
-                            {"stream": "0", "shard": "0"})
+    parts = encoding.shard_parts(acts, np.zeros(tokens, np.int32), lengths, np.arange(samples),
+                                 np.zeros(samples, np.int32), {"stream": "0", "shard": "0"})
     sidecar = Sidecar.of_shard(parts, stream=0, shard=0, stats={}, attempt="0123abcd", start=(0, 0),
                                next=(samples, 0), row_start=(samples, 0), samples=samples, tokens=tokens, skipped=[],
                                long={}, final=True, records=samples)
@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     storage = Storage(tempfile.mkdtemp(prefix="harvest-bench-"))
     sidecar = write_shard(storage, args.tensors, args.width, args.tokens)
-    reads = {"unchecked (decode only)": lambda: fmt.decode_shard(storage.read_bytes(shard_path(sidecar))),
+    reads = {"unchecked (decode only)": lambda: encoding.decode_shard(storage.read_bytes(shard_path(sidecar))),
              "checked (per-tensor digests)": lambda: read_shard(storage, sidecar)}
     times: dict[str, list[float]] = {name: [] for name in reads}
     for _ in range(args.rounds + 1):  # the first round warms the page cache

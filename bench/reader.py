@@ -42,7 +42,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from harvest.store import format as fmt  # noqa: E402
+from harvest.store import encoding, format as fmt  # noqa: E402
 from harvest.storage import Storage  # noqa: E402
 from harvest.read import open_run  # noqa: E402
 from harvest.store.records import RunInfo, Sidecar  # noqa: E402
@@ -72,8 +72,8 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
         next_token += per_shard
         lengths = np.full(per_shard // 512, 512)
         lengths[-1] += per_shard - lengths.sum()
-        parts = fmt.shard_parts(acts, tokens, lengths, np.arange(len(lengths)), np.zeros(len(lengths), np.int32),
-                                {"stream": str(stream), "shard": str(index)})
+        parts = encoding.shard_parts(acts, tokens, lengths, np.arange(len(lengths)), np.zeros(len(lengths), np.int32),
+                                     {"stream": str(stream), "shard": str(index)})
         data = b"".join(parts)
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(index)}"
         storage.write_bytes(rel + ".safetensors", data)

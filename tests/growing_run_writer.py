@@ -13,9 +13,10 @@ import uuid
 import numpy as np
 
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 from harvest.store.commit import commit
 from harvest.store.records import RunInfo, Sidecar
+from harvest.store.stats import RunningStats
 
 NAME, WIDTH, SAMPLES, SAMPLE_TOKENS = "resid_post.1", 8, 4, 10
 TOKENS = SAMPLES * SAMPLE_TOKENS
@@ -37,12 +38,12 @@ def main(url: str, streams: int, max_shards: int, pause: float) -> None:
         tokens = np.arange(1000 + n * TOKENS, 1000 + (n + 1) * TOKENS, dtype=np.int32)
         acts = tokens[:, None].astype(np.float32) + np.arange(WIDTH, dtype=np.float32)
         first = k * SAMPLES
-        parts = fmt.shard_parts({NAME: acts}, tokens, np.full(SAMPLES, SAMPLE_TOKENS),
-                                (np.arange(first, first + SAMPLES) * streams + s).astype(np.int64),
-                                np.zeros(SAMPLES, np.int32), {"stream": str(s), "shard": str(k)})
+        parts = encoding.shard_parts({NAME: acts}, tokens, np.full(SAMPLES, SAMPLE_TOKENS),
+                                     (np.arange(first, first + SAMPLES) * streams + s).astype(np.int64),
+                                     np.zeros(SAMPLES, np.int32), {"stream": str(s), "shard": str(k)})
         sidecar = Sidecar.of_shard(
             parts, stream=s, shard=k, attempt=attempt, start=(first, 0), next=(first + SAMPLES, 0),
-            row_start=(first, 0), samples=SAMPLES, tokens=TOKENS, stats={NAME: fmt.RunningStats.of(acts)},
+            row_start=(first, 0), samples=SAMPLES, tokens=TOKENS, stats={NAME: RunningStats.of(acts)},
             skipped=[], long={}, final=False, records=first + SAMPLES)
         commit(storage, sidecar, parts, guard=lambda stream: None)
         time.sleep(pause)

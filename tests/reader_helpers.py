@@ -1,4 +1,4 @@
-"""Runs for the reader tests, written shard by shard as the extractor writes them (format.shard_parts, a
+"""Runs for the reader tests, written shard by shard as the extractor writes them (encoding.shard_parts, a
 sidecar with the file's and each tensor's sha256), remembering every row.
 
 Every token id is unique except the special ones (0 and 1, left out by default), so a token names its row.
@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 from harvest.store.records import Sidecar
+from harvest.store.stats import RunningStats
 
 SPECIAL = (0, 1)
 TENSORS = {"resid_post.3": 24, "mlp_out.3": 16}
@@ -50,15 +51,16 @@ class RunWriter:
             if t not in SPECIAL:
                 self.rows[t] = {k: a[i] for k, a in acts.items()}
         k, first = self.shards[stream], self.positions[stream]
-        parts = fmt.shard_parts(acts, tokens, np.array(lengths), np.arange(first, first + len(lengths)) * self.streams
-                                + stream, np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
+        parts = encoding.shard_parts(acts, tokens, np.array(lengths),
+                                     np.arange(first, first + len(lengths)) * self.streams + stream,
+                                     np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
         data = b"".join(parts)
         manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
                                     row_start=(first, 0), samples=len(lengths), tokens=n,
-                                    stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=[],
+                                    stats={name: RunningStats.of(a) for name, a in acts.items()}, skipped=[],
                                     long={}, final=final, records=first + len(lengths))
         if not self.tensor_sha256:
-            manifest = dataclasses.replace(manifest, checksum=None, digest=fmt.digest(data, "sha256"),
+            manifest = dataclasses.replace(manifest, checksum=None, digest=encoding.digest(data, "sha256"),
                                            tensor_digests=None)
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(k)}"
         self.storage.write_bytes(rel + ".safetensors", data)

@@ -41,7 +41,7 @@ def committed(tmp_path, checksum: str | None) -> tuple[Storage, Sidecar, bytes]:
 
 
 def expected(data: bytes, algorithm: str) -> tuple[str, dict[str, str]]:
-    """The file's digest and each tensor's, from the safetensors header, as the format docstring defines them."""
+    """The file's digest and each tensor's, from the safetensors header, as harvest.store.encoding defines them."""
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
     header.pop("__metadata__")

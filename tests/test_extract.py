@@ -21,7 +21,7 @@ from harvest.demo import demo_checkpoint
 from harvest.errors import UserError
 from harvest.extract.job import run_extract
 from harvest.model import moments
-from harvest.store.format import RunningStats
+from harvest.store.stats import RunningStats
 from harvest.store.verify import verify
 
 POINTS = "resid_pre:0,attn_out:1,mlp_hidden:0,resid_post:0-2"

@@ -17,7 +17,7 @@ import harvest
 from harvest.config import ExtractConfig
 from harvest.demo import demo_checkpoint
 from harvest.extract.job import run_extract
-from harvest.store import format as fmt, quant
+from harvest.store import encoding, format as fmt, quant
 from harvest.store.records import Sidecar
 from harvest.store.verify import verify
 
@@ -56,14 +56,14 @@ def test_quantized_shard_parts_are_the_bytes_safetensors_writes(dtype):
                                    dtype)
     tokens, lengths = np.arange(11, dtype=np.int32), np.array([4, 7])
     sample_ids, variants = np.array([5, 9]), np.array([0, 2], np.int32)
-    parts = fmt.shard_parts(blocks, tokens, lengths, sample_ids, variants, metadata={"stream": "0", "shard": "1"})
+    parts = encoding.shard_parts(blocks, tokens, lengths, sample_ids, variants, metadata={"stream": "0", "shard": "1"})
     fields = {"format": "harvest", "format_version": str(fmt.FORMAT_VERSION), "shard": "1", "stream": "0"}
     whole = {name: np.concatenate(b) for name, b in blocks.items()}
     expected = save({**whole, "tokens": tokens, "offsets": np.array([0, 4, 11], np.int64),
                      "sample_ids": sample_ids.astype(np.int64), "variants": variants},
                     metadata={"harvest": json.dumps(fields, sort_keys=True)})
     assert b"".join(parts) == expected
-    decoded = fmt.decode_shard(expected)
+    decoded = encoding.decode_shard(expected)
     np.testing.assert_array_equal(decoded["resid_post.3.scale"], whole["resid_post.3.scale"])
     assert decoded["resid_post.3"].dtype == quant.CODES[dtype]
 

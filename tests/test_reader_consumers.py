@@ -22,7 +22,7 @@ from reader_helpers import RunWriter, small_run
 from harvest.errors import UserError
 from harvest.read import CorruptShardError, open_run
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 
 HERE = Path(__file__).parent
 PIECE = 40 * (4 + 2 * 40)  # piece_bytes for ~40 rows of small_run's two tensors: shards cut into several pieces
@@ -178,7 +178,7 @@ def test_a_flipped_byte_in_a_tensor_read_is_caught_and_one_not_read_costs_nothin
     written = small_run(str(tmp_path / "run"))
     run = open_run(written.storage.url)
     sc = run.shards[3]
-    rel, layout = run.shard_path(sc), fmt.decode_shard(written.storage.read_bytes(run.shard_path(sc)))
+    rel, layout = run.shard_path(sc), encoding.decode_shard(written.storage.read_bytes(run.shard_path(sc)))
     data = bytearray(written.storage.read_bytes(rel))
     at = data.find(layout["mlp_out.3"][5].tobytes())  # a row of mlp_out.3 in the file
     data[at + 1] ^= 0x40

@@ -2,7 +2,7 @@
 state dict, ranged reads counted on the wire (moto S3), outputs (numpy, torch, JAX), a run still being
 written, corrupt shards, bad input, and a real extraction's special tokens left out.
 
-Runs are written with format.encode_shard/sidecar as the extractor writes them. Every token id is unique
+Runs are written with encoding.encode_shard/sidecar as the extractor writes them. Every token id is unique
 except the special ones (0 and 1, left out by default), so a token names its row: each served row is
 checked against the values stored for that token.
 """
@@ -17,7 +17,7 @@ from reader_helpers import TENSORS, RunWriter, small_run
 
 from harvest.errors import UserError
 from harvest.read import CorruptShardError, StateError, UnknownTensorError, open_run
-from harvest.store import format as fmt
+from harvest.store import encoding
 
 @pytest.fixture
 def written(tmp_path) -> RunWriter:
@@ -206,7 +206,7 @@ def test_ranks_given_one_snapshot_split_a_growing_run_exactly_once(tmp_path):
 
 def test_a_corrupt_shard_stops_the_reader_or_is_skipped(written):
     rel = "stream_00001/shard_000000.safetensors"
-    lost = {int(t) for t in fmt.decode_shard(written.storage.read_bytes(rel))["tokens"]}
+    lost = {int(t) for t in encoding.decode_shard(written.storage.read_bytes(rel))["tokens"]}
     data = bytearray(written.storage.read_bytes(rel))
     data[-7] ^= 0xFF  # a bit flip in the last tensor's data: only the checksum shows it
     written.storage.write_bytes(rel, bytes(data))
@@ -214,7 +214,8 @@ def test_a_corrupt_shard_stops_the_reader_or_is_skipped(written):
     with pytest.raises(CorruptShardError) as e:
         list(run.token_batches(8, verify="sha256"))
     message = str(e.value)  # the checksum the sidecar names (xxh3_128 by default)
-    assert f"{written.storage.url}/{rel}: " in message and fmt.default_checksum() in message and "\n" not in message
+    assert f"{written.storage.url}/{rel}: " in message and encoding.default_checksum() in message
+    assert "\n" not in message
     reader = run.token_batches(8, verify="sha256", on_corrupt="skip")
     tokens, _ = served(reader)
     assert reader.skipped_shards == {rel} and sorted(tokens) == sorted(set(written.rows) - lost)

@@ -1,4 +1,4 @@
-"""Reader, verify and status/inspect over synthetic runs written with format.encode_shard/sidecar.
+"""Reader, verify and status/inspect over synthetic runs written with encoding.encode_shard/sidecar.
 
 `fake_run` writes what the extractor would: 2 round-robin streams, records with 1 or 2 variants, skipped
 records, shards of a few pieces, the last one final (stream 1's final shard is empty), bf16 activations.
@@ -14,11 +14,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
 from harvest.read import open_run
 from harvest.store.records import Sidecar
 from harvest.store.report import inspect, status_rows, status_table, watch
+from harvest.store.stats import RunningStats
 from harvest.store.verify import verify
 
 TENSORS = {"mlp_out.0": 16, "resid_post.1": 8}
@@ -55,13 +56,13 @@ def write_shard(storage: Storage, stream: int, shard: int, pieces: list[Piece], 
     acts = {name: (np.concatenate([p.acts[name] for p in pieces]) if pieces
                    else np.zeros((0, w), ml_dtypes.bfloat16)) for name, w in TENSORS.items()}
     tokens = np.concatenate([p.tokens for p in pieces]) if pieces else np.zeros(0, np.int32)
-    data = fmt.encode_shard(acts, tokens, np.array([len(p.tokens) for p in pieces], np.int64),
-                            np.array([p.sample_id for p in pieces], np.int64),
-                            np.array([p.variant for p in pieces], np.int32),
-                            metadata={"stream": str(stream), "shard": str(shard)})
+    data = encoding.encode_shard(acts, tokens, np.array([len(p.tokens) for p in pieces], np.int64),
+                                 np.array([p.sample_id for p in pieces], np.int64),
+                                 np.array([p.variant for p in pieces], np.int32),
+                                 metadata={"stream": str(stream), "shard": str(shard)})
     manifest = Sidecar.of_shard(data, stream=stream, shard=shard, start=tuple(start), next=tuple(next_),
                                 row_start=tuple(start), samples=len(pieces), tokens=len(tokens),
-                                stats={name: fmt.RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
+                                stats={name: RunningStats.of(a) for name, a in acts.items()}, skipped=skipped,
                                 long={"truncated": 0, "chunked": 0, "skipped": 0}, final=final, records=records)
     base = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(shard)}"
     storage.write_bytes(base + ".safetensors", data)

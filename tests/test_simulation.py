@@ -37,7 +37,7 @@ import harvest.storage.storage as storage_module
 from harvest.errors import UserError
 from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
-from harvest.store import format as fmt
+from harvest.store import encoding
 from harvest.store.commit import ResumePoint, commit, sweep, wipe
 from harvest.store.format import shard_dir
 from harvest.store.lease import LEASE, LeaseHeld, Leases
@@ -283,10 +283,11 @@ def shard_of(k: int, shards: int, attempt: str) -> tuple[Sidecar, bytes]:
 def shard_bytes(k: int) -> tuple[bytes, tuple[str, dict[str, str]]]:
     """Shard k's data object and its checksums, the same for every writer."""
     lo, hi = k * SAMPLES_PER_SHARD, (k + 1) * SAMPLES_PER_SHARD
-    data = fmt.encode_shard({"resid_post.0": np.full((hi - lo, 2), k, np.float32)}, np.arange(lo, hi, dtype=np.int32),
-                            np.ones(hi - lo, np.int64), np.arange(lo, hi), np.zeros(hi - lo, np.int32),
-                            metadata={"stream": "0", "shard": str(k)})
-    return data, fmt.shard_digests(fmt.file_parts(data), "xxh3_128")
+    data = encoding.encode_shard({"resid_post.0": np.full((hi - lo, 2), k, np.float32)},
+                                 np.arange(lo, hi, dtype=np.int32), np.ones(hi - lo, np.int64), np.arange(lo, hi),
+                                 np.zeros(hi - lo, np.int32),
+                                 metadata={"stream": "0", "shard": str(k)})
+    return data, encoding.shard_digests(encoding.file_parts(data), "xxh3_128")
 
 
 def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, shards: int, outcomes: list) -> None:

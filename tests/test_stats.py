@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from harvest.store import format as fmt
-from harvest.store.format import RunningStats
+from harvest.store import encoding, format as fmt
+from harvest.store.stats import RunningStats
 
 
 def _whole(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,16 +54,16 @@ def test_shard_parts_are_the_bytes_safetensors_writes(dtype):
     acts = {f"resid_post.{k}": rng.standard_normal((11, 6)).astype(fmt.DTYPES[dtype]) for k in (3, 12, 7)}
     acts["mlp_out.0"] = rng.standard_normal((11, 4)).astype(fmt.DTYPES[dtype])
     tokens, lengths, sample_ids, variants = np.arange(11, dtype=np.int32), np.array([4, 7]), np.array([5, 9]), np.array([0, 2], np.int32)
-    parts = fmt.shard_parts(acts, tokens, lengths, sample_ids, variants, metadata={"stream": "3", "shard": "12"})
+    parts = encoding.shard_parts(acts, tokens, lengths, sample_ids, variants, metadata={"stream": "3", "shard": "12"})
     offsets = np.array([0, 4, 11], np.int64)
     fields = {"format": "harvest", "format_version": str(fmt.FORMAT_VERSION), "shard": "12", "stream": "3"}
     expected = save({**acts, "tokens": tokens, "offsets": offsets, "sample_ids": sample_ids.astype(np.int64),
                      "variants": variants}, metadata={"harvest": json.dumps(fields, sort_keys=True)})
     assert b"".join(parts) == expected
-    assert fmt.digest(parts, "sha256") == fmt.digest(expected, "sha256")
-    empty = fmt.shard_parts({"resid_post.0": np.zeros((0, 6), fmt.DTYPES[dtype])}, np.zeros(0, np.int32),
-                            np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), metadata={})
-    assert fmt.decode_shard(b"".join(empty))["resid_post.0"].shape == (0, 6)
+    assert encoding.digest(parts, "sha256") == encoding.digest(expected, "sha256")
+    empty = encoding.shard_parts({"resid_post.0": np.zeros((0, 6), fmt.DTYPES[dtype])}, np.zeros(0, np.int32),
+                                 np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32), metadata={})
+    assert encoding.decode_shard(b"".join(empty))["resid_post.0"].shape == (0, 6)
 
 
 def test_device_piece_moments_merge_to_the_exact_stats_of_the_pieces():

@@ -24,7 +24,7 @@ from extract_helpers import another_vm, committed as committed_of, harvest_cmd, 
 import harvest.storage.local as local
 from harvest.errors import UserError
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 from harvest.store.commit import commit, sweep, wipe
 from harvest.store.format import sidecar_name
 from harvest.store.lease import Leases
@@ -179,9 +179,9 @@ def test_a_writer_stalled_across_a_sweep_and_a_wipe_commits_nothing_a_reader_rea
     st = Storage(root)
 
     def shard(k: int, leases: Leases) -> tuple[Sidecar, bytes]:
-        data = fmt.encode_shard({"resid_post.0": np.full((1, 2), k, np.float32)}, np.array([k], np.int32),
-                                np.ones(1, np.int64), np.array([k]), np.zeros(1, np.int32),
-                                metadata={"stream": "0", "shard": str(k)})
+        data = encoding.encode_shard({"resid_post.0": np.full((1, 2), k, np.float32)}, np.array([k], np.int32),
+                                     np.ones(1, np.int64), np.array([k]), np.zeros(1, np.int32),
+                                     metadata={"stream": "0", "shard": str(k)})
         sidecar = Sidecar.of_shard(data, stream=0, shard=k, stats={}, attempt=leases.id[:16], start=(k, 0),
                                    next=(k + 1, 0), row_start=(k + 1, 0), samples=1, tokens=1, skipped=[], long={},
                                    final=k == 1, records=k + 1, generation=leases.generation(0))

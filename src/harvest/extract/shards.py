@@ -17,6 +17,7 @@ import numpy as np
 from harvest.data.batching import Piece, Row, Skip
 from harvest.store import format as fmt, quant
 from harvest.store.commit import ClosedShard, ResumePoint
+from harvest.store.stats import RunningStats
 
 
 class ShardWriter:
@@ -95,7 +96,7 @@ class ShardWriter:
             means, m2s = self.moments[name]
             mean, m2 = moments[name] if moments else (None, None)
             if mean is None and self.quantize:  # the values' own, before they become codes
-                own = fmt.RunningStats.of(block)
+                own = RunningStats.of(block)
                 mean, m2 = own.mean, own.m2
             means.append(mean)
             m2s.append(m2)
@@ -125,7 +126,7 @@ class ShardWriter:
             final=final,
             records=records,
             moments=self.moments,
-            first_stats={name: fmt.RunningStats.of(np.concatenate(rows) if rows else np.zeros((0, self.widths[name])))
+            first_stats={name: RunningStats.of(np.concatenate(rows) if rows else np.zeros((0, self.widths[name])))
                          for name, rows in self.firsts.items()},
             quantization=quant.record(self.quantize) if self.quantize else None,
         )

@@ -1,6 +1,6 @@
 """Each packed piece's mean and M2 per dimension, computed on device beside its captures.
 
-The sidecar's per-shard stats are float64 merges of its pieces' moments (store.format.RunningStats.of_pieces):
+The sidecar's per-shard stats are float64 merges of its pieces' moments (store.stats.RunningStats.of_pieces):
 the device reduces a row's tokens to one (mean, M2) per piece, so the host merges a few vectors per piece
 instead of passing over every captured value twice (exact float64 on the host cost more CPU per GB than
 hashing and writing together). A row's first `slots` pieces (segment ids 1..slots, in row order) get device

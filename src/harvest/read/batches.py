@@ -40,6 +40,7 @@ from harvest.storage import Storage
 from harvest.store import format as fmt, quant
 from harvest.store.records import Sidecar
 from harvest.store.snapshot import Snapshot
+from harvest.store.stats import RunningStats
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class TokenBatches:
                  exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
                  streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
-                 stats: Mapping[str, fmt.RunningStats] | None = None, skip_first: int = 0,
+                 stats: Mapping[str, RunningStats] | None = None, skip_first: int = 0,
                  follow: float | None = None, rounds: Storage | None = None,
                  on_wait: Callable[[], None] | None = None):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
@@ -180,7 +181,7 @@ class TokenBatches:
             return []
         return [int(t) for t in special]
 
-    def _normalization(self, name: str, how: str, given: Mapping[str, fmt.RunningStats] | None
+    def _normalization(self, name: str, how: str, given: Mapping[str, RunningStats] | None
                        ) -> tuple[np.ndarray, np.ndarray]:
         """(shift, scale) with out = (x - shift) * scale, from the run's own merged stats."""
         stats = given[name] if given is not None else self.view.stats(name)

@@ -11,7 +11,7 @@ import mmap
 import numpy as np
 
 from harvest.storage import Storage
-from harvest.store import format as fmt, quant
+from harvest.store import encoding, quant
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, TensorSpan, file_digest, range_digest, read_layout
 
@@ -98,7 +98,7 @@ def verify_fetched(cols: dict[str, np.ndarray], sidecar: Sidecar) -> int:
     for name, arr in cols.items():
         want = _wanted(sidecar, name)
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # bf16 has no buffer format: hash its bytes
-        if fmt.digest(data, sidecar.algorithm) != want:
+        if encoding.digest(data, sidecar.algorithm) != want:
             raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
                              f"({want[:12]}...)")
         hashed += data.nbytes

@@ -26,9 +26,9 @@ import numpy as np
 from harvest.read.batches import TokenBatches
 from harvest.read.errors import UnknownTensorError
 from harvest.storage import Storage
-from harvest.store import format as fmt
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Sample, Snapshot, read_shard, sample_at, shard_path, shard_samples
+from harvest.store.stats import RunningStats
 
 
 class Run:
@@ -197,7 +197,7 @@ class Run:
         """The samples of one committed shard, in order (one read of the shard)."""
         return shard_samples(self.storage, sidecar, list(self.tensors))
 
-    def stats(self, name: str) -> fmt.RunningStats:
+    def stats(self, name: str) -> RunningStats:
         """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
         self._check_names([name])
         return self.view.stats(name)

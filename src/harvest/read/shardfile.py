@@ -15,7 +15,7 @@ import struct
 import numpy as np
 
 from harvest.storage import Storage
-from harvest.store import format as fmt
+from harvest.store import encoding
 
 HEAD_GUESS = 16 * 1024  # first read: the header of a shard with dozens of tensors fits; else a second read
 HASH_CHUNK = 8 * 2**20  # bytes fetched at a time when hashing a remote range: memory stays bounded
@@ -64,7 +64,7 @@ def parse_header(head: bytes) -> int | ShardLayout:
         fields = json.loads(meta.get("harvest", "{}"))
         tensors = {}
         for name, entry in header.items():
-            dtype = fmt.ST_DTYPES.get(entry["dtype"])
+            dtype = encoding.ST_DTYPES.get(entry["dtype"])
             if dtype is None:
                 raise ValueError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
             begin, end = (int(x) for x in entry["data_offsets"])
@@ -101,8 +101,8 @@ def map_file(path: str) -> mmap.mmap:
 def file_digest(storage: Storage, rel: str, checksum: str) -> str:
     """A whole file's plain digest (an older sidecar's sha256), streamed (locally from a memory map, no copy)."""
     if storage.is_local:
-        return fmt.digest(map_file(storage.path(rel)), checksum)
-    digest = fmt.hasher(checksum)
+        return encoding.digest(map_file(storage.path(rel)), checksum)
+    digest = encoding.hasher(checksum)
     with storage.open_binary(rel) as f:
         while chunk := f.read(HASH_CHUNK):
             digest.update(chunk)
@@ -116,8 +116,8 @@ def range_digest(storage: Storage, rel: str, start: int, end: int, checksum: str
         buf = map_file(storage.path(rel))
         if end > len(buf):
             raise ValueError(f"the file ends {end - len(buf)} bytes short of what its header describes")
-        return fmt.digest(memoryview(buf)[start:end], checksum)
-    digest = fmt.hasher(checksum)
+        return encoding.digest(memoryview(buf)[start:end], checksum)
+    digest = encoding.hasher(checksum)
     for at in range(start, end, HASH_CHUNK):
         want = min(at + HASH_CHUNK, end) - at
         chunk = storage.read_range(rel, at, at + want)

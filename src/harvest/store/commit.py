@@ -41,12 +41,13 @@ from typing import Any, Callable
 import numpy as np
 
 from harvest.errors import FencedOut, UserError
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
 from harvest.store.format import sidecar_name
 from harvest.store.listing import read_chain
 from harvest.store.lease import Leases
 from harvest.store.records import Sidecar
+from harvest.store.stats import RunningStats
 
 
 class CommitLost(FencedOut):
@@ -92,7 +93,7 @@ class ClosedShard:
     # Per tensor, each block's (means, M2s) from the device (harvest.model.moments; None: the host computes it).
     # Tensors without moments (a quantized tensor's scales) have no stats.
     moments: dict[str, tuple[list, list]]
-    first_stats: dict[str, fmt.RunningStats] | None = None  # of each sample's first token, per tensor
+    first_stats: dict[str, RunningStats] | None = None  # of each sample's first token, per tensor
     quantization: dict | None = None  # harvest.store.quant.record, where the tensors are 8-bit codes
 
 
@@ -207,7 +208,7 @@ class Committer:
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
     when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
-    (format.CHECKSUMS; default format.default_checksum()). `generation(stream)` names the generation a
+    (format.CHECKSUMS; default encoding.default_checksum()). `generation(stream)` names the generation a
     stream's shards are committed in (`Leases.generation`; "" where none was started).
     """
 
@@ -217,7 +218,7 @@ class Committer:
                  checksum: str | None = None):
         self.storage = storage
         self.attempt = attempt
-        self.checksum = checksum or fmt.default_checksum()
+        self.checksum = checksum or encoding.default_checksum()
         # A shard's stats and checksums (per tensor: one pass over its bytes, the file's digest derived from
         # them) run here, beside its data write: one stream's shards use every core this process may run on
         # (its affinity, as a container or taskset limits it), not one (numpy, hashlib and xxhash let go of
@@ -300,14 +301,14 @@ class Committer:
         return error
 
     def _encode(self, shard: ClosedShard) -> _Encoded:
-        parts = fmt.shard_parts(
+        parts = encoding.shard_parts(
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
         return _Encoded(shard, parts,
-                        {name: self._work.submit(fmt.digest, blocks, self.checksum)
-                         for name, blocks in fmt.tensor_parts(parts).items()},
-                        {name: self._work.submit(fmt.RunningStats.of_pieces, blocks, *shard.moments[name])
+                        {name: self._work.submit(encoding.digest, blocks, self.checksum)
+                         for name, blocks in encoding.tensor_parts(parts).items()},
+                        {name: self._work.submit(RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items() if name in shard.moments},
                         self._writes.submit(write_data, self.storage, shard.stream,
                                             fmt.shard_file(shard.shard, self.attempt), parts, self.guard,
@@ -317,7 +318,7 @@ class Committer:
         shard, parts = encoded.shard, encoded.parts
         tensors = {name: future.result() for name, future in encoded.tensor_digests.items()}
         manifest = Sidecar.of_shard(
-            parts, checksum=self.checksum, digests=(fmt.file_digest(parts, tensors, self.checksum), tensors),
+            parts, checksum=self.checksum, digests=(encoding.file_digest(parts, tensors, self.checksum), tensors),
             stream=shard.stream, shard=shard.shard, attempt=self.attempt,
             start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from harvest.storage import json_bytes
-from harvest.store import format as fmt
+from harvest.store import encoding, format as fmt
 
 R = TypeVar("R", bound="Record")
 
@@ -138,8 +138,8 @@ class Sidecar(Record):
     through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
     `file`, `bytes`, `digest`: the data object this sidecar commits (its name carries the writing attempt's
     id) and its checksum; `tensor_digests`: each tensor's bytes in it, so a ranged read verifies what it
-    fetched. `checksum` names the algorithm (format.CHECKSUMS) and `digest` is the digest of the header's
-    digest and each tensor's in file order (format.file_digest): one pass over the bytes gives both.
+    fetched. `checksum` names the algorithm (encoding.CHECKSUMS) and `digest` is the digest of the header's
+    digest and each tensor's in file order (encoding.file_digest): one pass over the bytes gives both.
     A sidecar written before `checksum` existed has None there and the keys `sha256` (the whole file's
     sha256) and `tensor_sha256` (each tensor's; null in still older ones) on storage: it reads into
     `digest` and `tensor_digests` and writes back under those keys. `quantization`: {dtype, scheme} where the
@@ -174,12 +174,12 @@ class Sidecar(Record):
     def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
                  checksum: str | None = None, digests: tuple[str, dict[str, str]] | None = None,
                  **fields: Any) -> Sidecar:
-        """The sidecar of shard bytes `data` (or its parts, as format.shard_parts gives them), written by
-        `attempt`: names, size and checksums by `checksum` (default: format.default_checksum()) from them,
-        or `digests` (format.shard_digests) when already computed; `stats` as RunningStats."""
-        checksum = checksum or fmt.default_checksum()
-        digest, tensors = digests or fmt.shard_digests(data if isinstance(data, list) else fmt.file_parts(data),
-                                                       checksum)
+        """The sidecar of shard bytes `data` (or its parts, as encoding.shard_parts gives them), written by
+        `attempt`: names, size and checksums by `checksum` (default: encoding.default_checksum()) from them,
+        or `digests` (encoding.shard_digests) when already computed; `stats` as RunningStats."""
+        checksum = checksum or encoding.default_checksum()
+        digest, tensors = digests or encoding.shard_digests(
+            data if isinstance(data, list) else encoding.file_parts(data), checksum)
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
                    file=fmt.shard_file(shard, attempt),
                    bytes=sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data),
@@ -196,12 +196,12 @@ class Sidecar(Record):
         None when nothing does. An older sidecar's file digest is the plain sha256 of the bytes."""
         if len(data) != self.bytes:
             return f"the file is {len(data)} bytes, its sidecar says {self.bytes} (cut short or replaced)"
-        parts = fmt.file_parts(data)
+        parts = encoding.file_parts(data)
         if self.checksum is None:
-            tensors = fmt.tensor_digests(parts, "sha256") if self.tensor_digests else {}
-            whole = fmt.digest(data, "sha256")
+            tensors = encoding.tensor_digests(parts, "sha256") if self.tensor_digests else {}
+            whole = encoding.digest(data, "sha256")
         else:
-            whole, tensors = fmt.shard_digests(parts, self.checksum)
+            whole, tensors = encoding.shard_digests(parts, self.checksum)
         for name, want in (self.tensor_digests or {}).items():
             if tensors.get(name) != want:
                 return f"checksum mismatch in tensor {name} ({self.algorithm} {str(want)[:12]}... in the sidecar)"

@@ -18,9 +18,10 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.storage import Storage
-from harvest.store import format as fmt, quant
+from harvest.store import encoding, format as fmt, quant
 from harvest.store.listing import CorruptShardError, covered_streams, read_chains, read_run_info
 from harvest.store.records import RunInfo, Sidecar
+from harvest.store.stats import RunningStats
 
 ShardCounts = Mapping[int, int]  # {stream: committed shards}: how ranks agree on the shards they split
 
@@ -138,18 +139,18 @@ class Snapshot:
         """Every stream the run covers (or of `streams`) has its final shard: nothing more will be committed."""
         return all(self.done(s) for s in (covered_streams(self.info) if streams is None else streams))
 
-    def first_token_stats(self, name: str) -> fmt.RunningStats | None:
+    def first_token_stats(self, name: str) -> RunningStats | None:
         """Stats of each committed sample's first token alone (the attention sinks), merged from the sidecars;
         None when a shard's sidecar lacks them (written before harvest recorded them)."""
         if any(sc.first_stats is None and sc.tokens for sc in self.shards):
             return None
         return self._merged(name, lambda sc: sc.first_stats or {})
 
-    def stats(self, name: str) -> fmt.RunningStats:
+    def stats(self, name: str) -> RunningStats:
         """Per-dimension count/mean/M2 over every committed token, merged from the sidecars (pairwise tree)."""
         return self._merged(name, lambda sc: sc.stats)
 
-    def _merged(self, name: str, field) -> fmt.RunningStats:
+    def _merged(self, name: str, field) -> RunningStats:
         """The sidecars' stats `field(sidecar)[name]`, merged."""
         width = int(self.info.tensors[name])
         parts = []
@@ -160,9 +161,9 @@ class Snapshot:
                     continue
                 raise UserError(f"{self.url}/{fmt.sidecar_path(sc.stream, sc.shard)}: no stats for {name}; "
                                 f"run `harvest verify {self.url}`")
-            parts.append(fmt.RunningStats.from_json(entry))
+            parts.append(RunningStats.from_json(entry))
         if not parts:
-            return fmt.RunningStats(0, np.zeros(width), np.zeros(width))
+            return RunningStats(0, np.zeros(width), np.zeros(width))
         while len(parts) > 1:  # pairwise: rounding grows with log(shards), not shards
             parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
         return parts[0]
@@ -182,7 +183,7 @@ def read_shard(storage: Storage, sidecar: Sidecar) -> dict[str, np.ndarray]:
         data = storage.read_bytes(rel)
         if mismatch := sidecar.mismatch(data):
             raise ValueError(mismatch)
-        tensors = fmt.decode_shard(data)
+        tensors = encoding.decode_shard(data)
         coded = [n[:-len(quant.SCALE_SUFFIX)] for n in tensors if n.endswith(quant.SCALE_SUFFIX)]
         return quant.dequantize_named(tensors, coded) if coded else tensors
     except ValueError as e:

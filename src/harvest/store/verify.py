@@ -37,7 +37,7 @@ import numpy as np
 
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
-from harvest.store import format as fmt, quant
+from harvest.store import encoding, format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
 from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
@@ -206,12 +206,12 @@ def check_shard(storage: Storage, info: RunInfo, s: int, files: set[str], sc: Si
     try:
         if mismatch := sc.mismatch(data):
             problems.add(rel, mismatch)
-        meta = fmt.shard_metadata(data)
+        meta = encoding.shard_metadata(data)
         if meta.get("format") != "harvest":
             problems.add(rel, "safetensors metadata lacks format=harvest")
         if meta.get("stream", str(s)) != str(s) or meta.get("shard", str(k)) != str(k):
             problems.add(rel, f"its metadata says stream {meta.get('stream')} shard {meta.get('shard')}")
-        t = fmt.decode_shard(data)
+        t = encoding.decode_shard(data)
     except ValueError as e:
         problems.add(rel, str(e))
         return None, None
