@@ -512,7 +512,8 @@ def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, t
 
 
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
-    from harvest.cli import _config_from, build_parser
+    from harvest.cli import build_parser
+    from harvest.subcommands import config_from
     from harvest.train.config import TrainConfig
 
     yaml_file = tmp_path / "train.yaml"
@@ -520,7 +521,7 @@ def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
                          "lr: 3e-4\ngrad_clip: 1\nsteps: 100\nremat: dots\n")
     args = build_parser().parse_args(["train", "--config", str(yaml_file), "--steps", "5", "--b2", "0.99",
                                       "--shape", '{"model_type": "qwen2", "hidden_size": 16}'])
-    cfg = _config_from(args, TrainConfig)
+    cfg = config_from(args, TrainConfig)
     assert (cfg.lr, cfg.grad_clip, cfg.steps, cfg.b2, cfg.remat) == (3e-4, 1.0, 5, 0.99, "dots")
     assert cfg.shape == {"model_type": "qwen2", "hidden_size": 16}
     flags = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions}

@@ -1,5 +1,6 @@
-"""The `harvest` command: parse flags, build the config, call the job. Errors a user can cause print as
-one line (exit 2; 3 and 75 for a lost lease and a retryable failure, see harvest.errors), never a traceback."""
+"""The `harvest` command: its arguments (one flag per config field, from harvest.config's descriptions) and its
+entry point, which calls the subcommand (harvest.subcommands). Errors a user can cause print as one line (exit 2;
+3 and 75 for a lost lease and a retryable failure, see harvest.errors), never a traceback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import logging
 import sys
 
+from harvest import subcommands
 from harvest.errors import UserError
 
 
@@ -45,191 +47,6 @@ def _json_object(text: str) -> dict:
 _FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
 
 
-def _config_from(args: argparse.Namespace, cls, prefix: str = ""):
-    from harvest import config
-
-    return config.build(cls, args.config, {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
-
-
-def _extract(args: argparse.Namespace) -> int:
-    from harvest.config import ExtractConfig
-    from harvest.extract.job import run_extract
-
-    summary = run_extract(_config_from(args, ExtractConfig))
-    _print_summary(summary)
-    return 0
-
-
-def _train(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater, UserError
-
-    if args.action == "export":
-        from harvest.train.export import export
-
-        if not args.run_url or not args.out:
-            raise UserError("usage: harvest train export RUN --out HF_DIR [--step N]")
-        done = export(args.run_url, args.out, args.step)
-        print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
-              f"{len(done['files'])} file(s), tokenizer files: {', '.join(done['tokenizer_files']) or 'none'}")
-        return 0
-    if args.action == "eval":
-        import json
-
-        from harvest.train.trm.evaluate import evaluate
-
-        if not args.run_url or not args.data:
-            raise UserError("usage: harvest train eval RUN --data PUZZLES [--split test]")
-        print(json.dumps(evaluate(args.run_url, args.data, args.split), indent=1))
-        return 0
-    if args.run_url:
-        raise UserError(f"harvest train: unexpected argument {args.run_url!r} (did you mean `harvest train export`?)")
-    from harvest.train.config import TrainConfig
-    from harvest.train.job import run_train, train_config
-
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    summary = run_train(train_config(args.config, flags))
-    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
-    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
-          f"{summary['seconds']}s")
-    return RetryLater.exit_code if summary["preempted"] else 0  # a job manager reruns it: it resumes
-
-
-def _puzzles(args: argparse.Namespace) -> int:
-    from harvest.puzzles.build import build_puzzles, summary_line
-    from harvest.puzzles.config import PuzzlesConfig
-
-    config = _config_from(args, PuzzlesConfig)
-    print(summary_line(build_puzzles(args.kind, config)))
-    return 0
-
-
-def _sae(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater, UserError
-
-    if args.action != "train":
-        if not args.sae_url:
-            raise UserError(f"usage: harvest sae {args.action} SAE_RUN ...")
-        if args.action == "export":
-            from harvest.sae.export import export
-
-            if not args.sae_out or not args.format:
-                raise UserError("usage: harvest sae export SAE_RUN --format saelens|sparsify --out DIR [--step N]")
-            done = export(args.sae_url, args.sae_out, args.format, args.step)
-            print(f"exported step {done['step']} of {args.sae_url} as {args.format}: {', '.join(done['dirs'])}")
-            return 0
-        import json
-
-        from harvest.sae.evaluate import evaluate
-
-        print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step,
-                                  model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len,
-                                  skip_first=args.sae_skip_first),
-                         indent=1))
-        return 0
-    if args.sae_url:
-        raise UserError(f"harvest sae train: unexpected argument {args.sae_url!r}")
-    from harvest.sae.config import SaeConfig
-    from harvest.sae.job import run_sae_train
-
-    summary = run_sae_train(_config_from(args, SaeConfig, "sae_"))
-    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
-    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), fvu {summary['fvu']}, "
-          f"l0 {summary['l0']}, dead {summary['dead_fraction']}, {summary['seconds']}s")
-    return RetryLater.exit_code if summary["preempted"] else 0
-
-
-def _print_summary(summary: dict) -> None:
-    print(f"wrote {summary['out']}: {summary['samples']} samples, {summary['tokens']} tokens in "
-          f"{summary['streams']} streams; this run {summary['tokens_this_run']} tokens in {summary['seconds']}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s, packing efficiency {summary['packing_efficiency']:.1%}, "
-          f"{summary['shards_written']} shards)")
-    print(f"devices: {summary['devices']}")
-    print(summary["startup"])
-    print(f"long samples: {summary['truncated']} truncated, {summary['chunked']} chunked, "
-          f"{summary['skipped_long']} skipped; bad inputs skipped: {summary['skipped'] - summary['skipped_long']}")
-    for reason, count in summary["skip_reasons"].items():
-        print(f"  {count} x {reason}")
-    for example in summary["skip_examples"]:
-        print(f"  e.g. {example}")
-
-
-def _streams_create(args: argparse.Namespace) -> int:
-    from harvest.data.streams import create_streams
-
-    created = create_streams(args.data, args.num_streams, args.out, overwrite=args.overwrite)
-    print(f"wrote {created.num_streams} streams of {created.total} records to {args.out}")
-    return 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from harvest.store import report
-    from harvest.train import status as training
-
-    table = training.training_status(args.url)  # None: an extraction run
-    if args.watch:
-        (report if table is None else training).watch(args.url, args.interval)
-    else:
-        Console().print(report.status_table(args.url) if table is None else table)
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from harvest.store.verify import verify_all
-
-    reports = verify_all(args.urls)
-    for report in reports:
-        for line in report.lines():
-            print(line)
-    return 0 if all(r.ok for r in reports) else 1
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from harvest.store import report
-
-    console = Console()
-    for renderable in report.inspect(args.url):
-        console.print(renderable)
-    return 0
-
-
-def _fleet(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from harvest.fleet import launch, status
-    from harvest.fleet.plan import emit, make_plan, plan_table
-    from harvest.fleet.sky import SkyJobs
-    from harvest.fleet.spec import load_fleet
-
-    plan = make_plan(load_fleet(args.fleet))
-    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or a log gets whole URLs
-    if args.fleet_command == "plan":
-        console.print(plan_table(plan))
-        if args.emit:
-            print(f"wrote {len(emit(plan, args.emit))} SkyPilot task files to {args.emit}")
-        return 0
-    jobs = SkyJobs()
-    if args.fleet_command == "up":
-        launched, kept = launch.up(plan, jobs)
-        print(f"launched {len(launched)} workers ({', '.join(w.job_name for w in launched) or 'none'}); "
-              f"{len(kept)} already running or done")
-    elif args.fleet_command == "down":
-        cancelled = launch.down(plan, jobs)
-        print(f"cancelled {len(cancelled)} workers ({', '.join(w.job_name for w in cancelled) or 'none'})")
-    else:
-        return status.show(plan, jobs, watch=args.watch, interval=args.interval, console=console)
-    return 0
-
-
-def _demo(args: argparse.Namespace) -> int:
-    from harvest.demo import run_demo
-
-    return run_demo(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from harvest.version import harvest_version
 
@@ -253,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "come from --config run.yaml.",
     )
     _add_config_flags(extract, ExtractConfig)
-    extract.set_defaults(run=_extract)
+    extract.set_defaults(run=subcommands.extract)
 
     from harvest.train.config import TrainConfig
 
@@ -271,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--split", default="test", help="eval: the puzzle dataset's split (default: test)")
     train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
     _add_config_flags(train, TrainConfig)
-    train.set_defaults(run=_train)
+    train.set_defaults(run=subcommands.train)
 
     from harvest.puzzles.config import PuzzlesConfig
 
@@ -284,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("kind", metavar="KIND", help="sudoku | maze | arc")
     _add_config_flags(build, PuzzlesConfig)
-    build.set_defaults(run=_puzzles)
+    build.set_defaults(run=subcommands.puzzles)
 
     from harvest.sae.config import SaeConfig
 
@@ -305,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     sae.add_argument("--max-seq-len", dest="eval_max_seq_len", type=int, default=256,
                      help="eval with --model: tokens per text scored")
     _add_config_flags(sae, SaeConfig, "sae_")
-    sae.set_defaults(run=_sae)
+    sae.set_defaults(run=subcommands.sae)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")
@@ -317,24 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--num-streams", type=int, required=True, help="how many streams")
     create.add_argument("--out", required=True, help="directory URL for the streams")
     create.add_argument("--overwrite", action="store_true", help="replace existing streams there")
-    create.set_defaults(run=_streams_create)
+    create.set_defaults(run=subcommands.streams_create)
 
     status = commands.add_parser("status", help="progress of a run, per stream")
     status.add_argument("url")
     status.add_argument("--watch", action="store_true", help="refresh live until interrupted")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
-    status.set_defaults(run=_status)
+    status.set_defaults(run=subcommands.status)
 
     verify = commands.add_parser(
         "verify", help="check exactly-once coverage and checksums; exit 1 on a problem",
         description="Each URL on its own; URLs holding parts of one run (a fleet's buckets: one run.json "
         "config, streams split between them) as that run: every stream in exactly one of them.")
     verify.add_argument("urls", nargs="+", metavar="URL")
-    verify.set_defaults(run=_verify)
+    verify.set_defaults(run=subcommands.verify)
 
     inspect = commands.add_parser("inspect", help="what a run holds: points, tokens, shards, stats, a sample")
     inspect.add_argument("url")
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=subcommands.inspect)
 
     fleet = commands.add_parser(
         "fleet", help="a multi-region run of many workers from one fleet.yaml, on SkyPilot managed jobs",
@@ -352,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                          ("down", "cancel the fleet's running workers")):
         sub = fleet_commands.add_parser(action, help=text, description=text)
         sub.add_argument("fleet", metavar="FLEET.yaml")
-        sub.set_defaults(run=_fleet)
+        sub.set_defaults(run=subcommands.fleet)
         if action == "plan":
             sub.add_argument("--emit", metavar="DIR", help="write one SkyPilot task YAML per worker into DIR")
         if action == "status":
@@ -383,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--eval-tokens", type=int, default=2048, help="tokens to evaluate on (default: %(default)s)")
     demo.add_argument("--cache-dir", default=None,
                       help="where the demo checkpoint goes (default: $HARVEST_CACHE or ~/.cache/harvest)")
-    demo.set_defaults(run=_demo)
+    demo.set_defaults(run=subcommands.demo)
     return parser
 
 
