@@ -99,10 +99,12 @@ class ClosedShard:
 
 @dataclasses.dataclass
 class _Encoded:
-    """A closed shard on its way to storage: its file's parts, and its checksums and stats being computed."""
+    """A closed shard on its way to storage: its file's parts, its checksums and stats being computed, and its
+    data object being written in `generation` (the stream's when the shard closed: its sidecar's too)."""
 
     shard: ClosedShard
     parts: list
+    generation: str
     tensor_digests: dict[str, concurrent.futures.Future]
     stats: dict[str, concurrent.futures.Future]
     written: concurrent.futures.Future
@@ -284,10 +286,9 @@ class Committer:
             encoded.written.result()
         except BaseException:
             return  # never written
-        stream = encoded.shard.stream
         with contextlib.suppress(UserError):
-            self.storage.delete(fmt.data_path(stream, fmt.shard_file(encoded.shard.shard, self.attempt),
-                                              self.generation(stream)))
+            self.storage.delete(fmt.data_path(encoded.shard.stream, fmt.shard_file(encoded.shard.shard, self.attempt),
+                                              encoded.generation))
 
     def _cause(self, stream: int, error: BaseException) -> BaseException:
         """A write that failed because this worker lost the stream (the new holder cleared its temp files,
@@ -305,14 +306,14 @@ class Committer:
             shard.tensors, shard.tokens, shard.lengths, shard.sample_ids, shard.variants,
             metadata={"stream": str(shard.stream), "shard": str(shard.shard)},
         )
-        return _Encoded(shard, parts,
+        generation = self.generation(shard.stream)
+        return _Encoded(shard, parts, generation,
                         {name: self._work.submit(encoding.digest, blocks, self.checksum)
                          for name, blocks in encoding.tensor_parts(parts).items()},
                         {name: self._work.submit(RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items() if name in shard.moments},
                         self._writes.submit(write_data, self.storage, shard.stream,
-                                            fmt.shard_file(shard.shard, self.attempt), parts, self.guard,
-                                            self.generation(shard.stream)))
+                                            fmt.shard_file(shard.shard, self.attempt), parts, self.guard, generation))
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
@@ -323,11 +324,10 @@ class Committer:
             start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
-            quantization=shard.quantization,
+            quantization=shard.quantization, generation=encoded.generation,
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
         encoded.written.result()
-        manifest = dataclasses.replace(manifest, generation=self.generation(shard.stream))
         try:
             commit(self.storage, manifest, None, self.guard)
         except CommitLost as e:
