@@ -100,6 +100,17 @@ def decode_shard(data: bytes) -> dict[str, np.ndarray]:
 
 def shard_metadata(data: bytes) -> dict[str, str]:
     """The shard's own fields (format, format_version, stream, shard) from the safetensors header, as JSON."""
+    _, header = _header(data)
+    try:
+        fields = json.loads((header.get("__metadata__") or {}).get("harvest", "{}"))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a harvest shard (metadata: {e})") from None
+    return fields if isinstance(fields, dict) else {}
+
+
+def _header(data) -> tuple[int, dict]:
+    """A whole file's safetensors header: its length and its JSON object. ValueError when it cannot be read
+    within the file."""
     if len(data) < 8:
         raise ValueError("not a readable safetensors file (shorter than its header length)")
     (n,) = struct.unpack("<Q", data[:8])
@@ -109,11 +120,9 @@ def shard_metadata(data: bytes) -> dict[str, str]:
         header = json.loads(bytes(data[8:8 + n]))
     except ValueError as e:
         raise ValueError(f"not a readable safetensors file (header: {e})") from None
-    try:
-        fields = json.loads((header.get("__metadata__") or {}).get("harvest", "{}"))
-    except ValueError as e:
-        raise ValueError(f"not a harvest shard (metadata: {e})") from None
-    return fields if isinstance(fields, dict) else {}
+    if not isinstance(header, dict):
+        raise ValueError("not a readable safetensors file (its header is not a JSON object)")
+    return n, header
 
 
 def tensor_parts(parts: list) -> dict[str, list]:
@@ -167,14 +176,12 @@ def digest(data: bytes | np.ndarray | list, checksum: str) -> str:
 def file_parts(data) -> list:
     """A whole shard file's bytes as `shard_parts` gives them: its header, then each tensor's non-empty bytes in
     file order (views, no copy). ValueError when the header cannot be read."""
-    shard_metadata(data)  # the header parses, within the file
     view = memoryview(data).cast("B")
-    (n,) = struct.unpack("<Q", view[:8])
+    n, header = _header(view)
+    header.pop("__metadata__", None)
     try:
-        header = json.loads(bytes(view[8:8 + n]))
-        header.pop("__metadata__", None)
         spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1])) for e in header.values())
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, IndexError) as e:
         raise ValueError(f"not a readable safetensors header ({e})") from None
     if any(not 0 <= a <= b <= len(view) - 8 - n for a, b in spans):
         raise ValueError("not a readable safetensors file (a tensor lies past the end)")
