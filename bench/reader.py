@@ -77,8 +77,9 @@ def write_run(url: str, total_mb: int, shard_mb: int, tensors: int, width: int, 
         data = b"".join(parts)
         rel = f"{fmt.stream_dir(stream)}/{fmt.shard_stem(index)}"
         storage.write_bytes(rel + ".safetensors", data)
+        first = index * len(lengths)  # each shard of a stream continues the one before (its chain)
         storage.write_bytes(rel + ".json", Sidecar.of_shard(
-            data, stream=stream, shard=index, start=(0, 0), next=(len(lengths), 0), row_start=(0, 0),
+            data, stream=stream, shard=index, start=(first, 0), next=(first + len(lengths), 0), row_start=(first, 0),
             samples=len(lengths), tokens=per_shard, stats={}, skipped=[], long={}, final=False,
             records=0).to_bytes())
     return next_token
