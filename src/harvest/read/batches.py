@@ -38,7 +38,7 @@ from harvest.read.position import STATE_VERSION, Cursor, Order, run_fingerprint
 from harvest.read.rounds import Follower
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
-from harvest.store.records import Sidecar
+from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot
 from harvest.store.stats import RunningStats
 
@@ -157,7 +157,7 @@ class TokenBatches:
         self._poll, self._book, self._on_wait = follow, rounds, on_wait
         self._round, self._round_start = 0, None  # following: the round read now, and the shards before it
         self._served = 0  # rows served in the current epoch
-        self._handed: dict[str, Any] | None = None  # the state after the last batch handed out
+        self._handed: tuple[RunInfo, dict[str, Any]] | None = None  # the run and position after the last batch
         self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
         self.shards_seen = 0
 
@@ -201,13 +201,16 @@ class TokenBatches:
     def state_dict(self) -> dict[str, Any]:
         """Where this reader stands after the last batch it handed out (even while it reads or waits for the
         next one): JSON-serializable, for a trainer's checkpoint."""
-        return dict(self._handed) if self._handed is not None else self._state_now()
+        info, position = self._handed or (self.view.info, self._position())
+        return {"version": STATE_VERSION, "run": run_fingerprint(info),
+                "order": (self._loaded_order or self.order()).to_json(), **position}
 
-    def _state_now(self) -> dict[str, Any]:
+    def _position(self) -> dict[str, Any]:
+        """Where the reader stands now in its order: kept at each batch handed out, with the run it read (whose
+        fingerprint, a hash of run.json, is taken only when a state is asked for, not per batch)."""
         counts = self._epoch_counts
-        return {"version": STATE_VERSION, "run": run_fingerprint(self.view.info),
-                "order": (self._loaded_order or self.order()).to_json(), "epoch": self._cursor.epoch,
-                "group": self._cursor.group, "row": self._cursor.row, "first_epoch": self._first_epoch,
+        return {"epoch": self._cursor.epoch, "group": self._cursor.group, "row": self._cursor.row,
+                "first_epoch": self._first_epoch,
                 "shards": None if counts is None else {str(s): n for s, n in counts.items()},
                 "round": self._round,
                 "round_start": None if self._round_start is None else {str(s): n for s, n in self._round_start.items()},
@@ -364,9 +367,9 @@ class TokenBatches:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _hand(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
-        """The batch to hand out, and the state after it."""
+        """The batch to hand out, and the position after it."""
         batch = self._emit(raw)
-        self._handed = self._state_now()
+        self._handed = (self.view.info, self._position())
         return batch
 
     def _emit(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
