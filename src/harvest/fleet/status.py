@@ -223,12 +223,3 @@ def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
     except KeyboardInterrupt:
         pass
     return 1 if status.stale else 0
-    try:
-        with Live(Renderables(*render_training(status)), console=console, refresh_per_second=1) as live:
-            while not status.finished:
-                time.sleep(interval)
-                status = training_status(plan, jobs)
-                live.update(Renderables(*render_training(status)))
-    except KeyboardInterrupt:
-        pass
-    return 1 if status.stale else 0
