@@ -210,7 +210,7 @@ class Committer:
     when this worker may no longer write it (its lease lost: see harvest.store.lease). `on_commit(manifest)`
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
     when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
-    (format.CHECKSUMS; default encoding.default_checksum()). `generation(stream)` names the generation a
+    (encoding.CHECKSUMS; default encoding.default_checksum()). `generation(stream)` names the generation a
     stream's shards are committed in (`Leases.generation`; "" where none was started).
     """
 
