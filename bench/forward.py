@@ -86,21 +86,27 @@ def parse_args() -> argparse.Namespace:
     k.add_argument("--points", default="resid_post:all", help="capture points (default resid_post:all)")
     k.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
     k.add_argument("--no-hf", action="store_true", help="skip the HF table (skipped anyway without torch)")
-    k.add_argument("--pallas-blocks", default="table", help=f"pallas-gpu tiles, one row each, comma-separated: "
-                   f"'table' (harvest's choice per head size and row) or {SPEC_HELP} (default table)")
+    add_blocks_flag(k, "one row each")
     args = p.parse_args()
     args.shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
-    check_blocks(p, args.pallas_blocks)
     return args
 
 
-def check_blocks(parser: argparse.ArgumentParser, blocks: str) -> None:
-    """--pallas-blocks, each choice checked before any work (argparse's one-line error for a bad one)."""
+def add_blocks_flag(parser, rows: str) -> None:
+    """--pallas-blocks (here and in bench/train.py), each choice checked as it is parsed, before any work
+    (argparse's one-line error for a bad one)."""
+    parser.add_argument("--pallas-blocks", default="table", type=_checked_blocks,
+                        help=f"pallas-gpu tiles, {rows}, comma-separated: 'table' (harvest's choice per head size "
+                        f"and row) or {SPEC_HELP} (default table)")
+
+
+def _checked_blocks(blocks: str) -> str:
     for spec in blocks.split(","):
         try:
             spec == "table" or parse_blocks(spec, table_blocks(64, 2048))
         except AttentionError as e:
-            parser.error(f"--pallas-blocks: {e}")
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return blocks
 
 
 def hf_config(args: argparse.Namespace, layers: int) -> transformers.Qwen2Config:
@@ -193,7 +199,8 @@ KERNEL_HEADER = ["rows/chip x seq", "attention", "median ms", "best ms", "tokens
 
 def variants(kinds: list[str], blocks: str, head_dim: int, seq: int) -> list[tuple[str, str, str | None]]:
     """(row label, kernel, tiles spec or None for the table's) per row: pallas-gpu once per --pallas-blocks
-    choice, labelled with the tiles it runs at `seq` (the kernel's padded row)."""
+    choice, labelled with the tiles it runs for rows of `seq` tokens (padded to LANES, as the kernel pads them)."""
+    seq = -(-seq // LANES) * LANES
     out = []
     for kind in kinds:
         for spec in blocks.split(",") if kind == "pallas-gpu" else ["table"]:
@@ -243,7 +250,7 @@ def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str,
         real = int(np.count_nonzero(segments))
         flops = forward_flops_per_token(cfg, mean_context(segments), plan.num_layers) * real
         built = {label: compiled_forward(cfg, plan, kind, spec, mesh, (params, tokens, segs))
-                 for label, kind, spec in variants(kinds, blocks, cfg.head_dim, -(-seq // LANES) * LANES)}
+                 for label, kind, spec in variants(kinds, blocks, cfg.head_dim, seq)}
         ran = {label: fn for label, fn in built.items() if not isinstance(fn, str)}
         calls = [lambda fn=fn: jax.block_until_ready(fn(params, tokens, segs)) for fn in ran.values()]
         timings = dict(zip(ran, time_calls(calls, iters)))

@@ -31,12 +31,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/table.py
-from forward import attempt, check_blocks, variants
+from forward import add_blocks_flag, attempt, variants
 from shapes import PRESETS, hf_fields, mean_context, model_config, packed_segments
 from table import show
 
 from harvest.model import default_compute_dtype
-from harvest.model.attention import LANES, SPEC_HELP, blocks_override, resolve
+from harvest.model.attention import blocks_override, resolve
 from harvest.model.flops import forward_flops_per_token
 from harvest.model.init import init_params
 from harvest.runtime.chips import peak_flops_per_device
@@ -58,11 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="compute dtype (default: float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--mesh", default=None, help="mesh (default: every device on fsdp)")
     p.add_argument("--iters", type=int, default=5, help="timed steps per row (default 5)")
-    p.add_argument("--pallas-blocks", default="table", help=f"pallas-gpu tiles, rows for each, comma-separated: "
-                   f"'table' (harvest's choice per head size and row) or {SPEC_HELP} (default table)")
-    args = p.parse_args()
-    check_blocks(p, args.pallas_blocks)
-    return args
+    add_blocks_flag(p, "rows for each")
+    return p.parse_args()
 
 
 def timed(fn, iters: int) -> list[float]:
@@ -102,7 +99,7 @@ def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention
                                for k in attention.split(",")))
 
     results = []  # (kind, what, seconds per step or the error that stopped it, FLOPs per step)
-    for label, kind, spec in variants(kinds, blocks, model.head_dim, -(-seq // LANES) * LANES):
+    for label, kind, spec in variants(kinds, blocks, model.head_dim, seq):
         with blocks_override(spec):  # programs trace (so take their tiles) in their first, warm-up call
             forward = jax.jit(partial(loss_sum, cfg=model, compute_dtype=dtype, remat="none", attention=kind,
                                       mesh=mesh))
