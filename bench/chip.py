@@ -212,8 +212,8 @@ def stage_train(args: argparse.Namespace, work: Path) -> None:
     from harvest.model import default_compute_dtype
 
     preset, batch, seq = ("small", 2, 128) if args.smoke else ("0.5b", 16, 2048)
-    rows, _ = step_rows(preset, batch, seq, 300, "dense,auto" if args.smoke else "auto,dense", "layer", default_compute_dtype(), None,
-                        2 if args.smoke else 4)
+    rows, _ = step_rows(preset, batch, seq, 300, "dense,auto" if args.smoke else "auto,dense", "layer",
+                        default_compute_dtype(), None, 2 if args.smoke else 4)
     for kind, what, _, best, tokens, ratio, mfu in rows:
         emit(f"train {preset}", f"{batch}x{seq} {kind}, {what}", f"{tokens} tokens/s/chip, MFU {mfu}",
              f"best {best} ms{', ' + ratio + ' dense' if ratio and kind != 'dense' else ''}")

@@ -39,7 +39,8 @@ def shard_parts(
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     blocks = {
-        **{name: [np.ascontiguousarray(b) for b in (a if isinstance(a, list) else [a])] for name, a in activations.items()},
+        **{name: [np.ascontiguousarray(b) for b in (a if isinstance(a, list) else [a])]
+           for name, a in activations.items()},
         "tokens": [np.ascontiguousarray(tokens, np.int32)],
         "offsets": [offsets],
         "sample_ids": [np.ascontiguousarray(sample_ids, np.int64)],

@@ -157,8 +157,8 @@ def _chain(storage: Storage, stream: int, generation: str, numbers: list[int], s
         if number != expected:
             missing = storage.url_of(fmt.sidecar_path(stream, expected, generation))
             problem = (f"{missing} is missing while later shards of the stream are committed (lost from storage, or "
-                       "an --overwrite cut short): the stream cannot be read or resumed past it; rerun with --overwrite "
-                       "to start it over")
+                       "an --overwrite cut short): the stream cannot be read or resumed past it; rerun with "
+                       "--overwrite to start it over")
         elif isinstance(sidecar := sidecars[(stream, number)], str):
             problem = (f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else "
                        "is wrong")
