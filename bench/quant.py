@@ -289,7 +289,7 @@ def main() -> None:
     show("Storage: " + about, ["format", f"bytes/token ({len(layers)} layers)", "of float32",
                                "quantizer GB/s", "write GB/s"], storage_rows,
          "GB/s: float32 bytes in per second, one thread; quantizer: the cast (bf16) or absmax scale + codes alone; "
-         "write: that, stats, encode, sha256, write and commit (one Committer thread)")
+         "write: that, stats, encode, checksums (xxh3_128 by default), write and commit (one Committer thread)")
     show("Attention sinks: each sample's first token", ["tensor", "tokens", "variance they hold"], sinks,
          "variance: their squared distance from the run's mean, over the run's total (sidecar stats)")
     show(f"TopK SAEs (k {args.k}, {args.batch_tokens} tokens a step, seed 0, the same tokens for every format)",
