@@ -109,6 +109,10 @@ def progress_path(stream: int) -> str:
     return f"{stream_dir(stream)}/{PROGRESS}"
 
 
+def lease_path(stream: int) -> str:
+    return f"{stream_dir(stream)}/{LEASE}"
+
+
 def shard_file(shard: int, attempt: str) -> str:
     """The data object of `shard` as the attempt `attempt` writes it: no two writers ever write the same object
     (shards of runs before attempts existed are named without one)."""

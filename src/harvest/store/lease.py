@@ -189,7 +189,7 @@ class Leases:
     def _try_take(self, stream: int, watched: _Watched | None) -> _Watched | None:
         """Take the lease if it may be taken now (None); else what is watched of it from now on. Raises
         LeaseHeld when the watched lease moved: its holder is alive."""
-        rel = _rel(stream)
+        rel = fmt.lease_path(stream)
         first_sent = None  # when this process first wrote the lease: the freshness of any write of it that landed
         while True:
             current = self.storage.read_versioned(rel)
@@ -312,7 +312,7 @@ class Leases:
         record. Read back, a record naming this process's id is ours (no one else writes it): it is adopted
         and swapped once more, so the confirmation time is that of a write known to have landed.
         """
-        rel = _rel(stream)
+        rel = fmt.lease_path(stream)
         with self._io:
             for _ in range(3):
                 held = self._held.get(stream)
@@ -347,7 +347,7 @@ class Leases:
                 return
             released = self._record(held.record.version + 1, held.record, released=True)
             try:
-                self.storage.replace_if(_rel(stream), released.to_bytes(), held.token)
+                self.storage.replace_if(fmt.lease_path(stream), released.to_bytes(), held.token)
             except UserError as e:  # it is taken over after its TTL instead
                 log.warning("stream %d: could not release its lease (%s)", stream, e)
 
@@ -360,10 +360,6 @@ class Leases:
         self._stop.set()
         for stream in sorted(self._held):
             self.release(stream)
-
-
-def _rel(stream: int) -> str:
-    return f"{fmt.stream_dir(stream)}/{LEASE}"
 
 
 def _parse(current: Versioned, where: str) -> LeaseRecord:

@@ -66,7 +66,7 @@ def sidecar_numbers(storage: Storage, stream: int, generation: str = "") -> list
 
 def stream_generation(storage: Storage, stream: int) -> str:
     """The stream's current generation, as its lease.json names it ("" without one)."""
-    rel = f"{fmt.stream_dir(stream)}/{fmt.LEASE}"
+    rel = fmt.lease_path(stream)
     current = storage.read_versioned(rel)
     try:
         return LeaseRecord.from_bytes(current.data).generation if current is not None else ""
