@@ -43,7 +43,6 @@ import numpy as np
 from harvest.errors import FencedOut, UserError
 from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
-from harvest.store.format import sidecar_name
 from harvest.store.listing import read_chain
 from harvest.store.lease import Leases
 from harvest.store.records import Sidecar
@@ -166,15 +165,15 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
     """Write `data` as the object `sidecar` names (None: written already, by `write_data`), then commit it by
     creating the sidecar only if absent, both in the sidecar's generation. Raises CommitLost when another writer
     committed the shard first (this one's object is deleted)."""
-    directory = fmt.shard_dir(sidecar.stream, sidecar.generation)
     if data is not None:
         write_data(storage, sidecar.stream, sidecar.file, data, guard, sidecar.generation)
     guard(sidecar.stream)
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
-    if storage.create_exclusive(f"{directory}/{sidecar_name(sidecar.shard)}", sidecar.to_bytes()):
+    if storage.create_exclusive(fmt.sidecar_path(sidecar.stream, sidecar.shard, sidecar.generation),
+                                sidecar.to_bytes()):
         return
     try:
-        storage.delete(f"{directory}/{sidecar.file}")
+        storage.delete(fmt.data_path(sidecar.stream, sidecar.file, sidecar.generation))
     except UserError:
         pass  # a leftover: the stream's next holder deletes it
     raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
@@ -187,7 +186,7 @@ def write_data(storage: Storage, stream: int, file: str, data: bytes | list, gua
     """Write a shard's data object (`file`, a name only this attempt writes) in the stream's `generation`, once
     `guard` confirms the lease."""
     guard(stream)
-    storage.write_bytes(f"{fmt.shard_dir(stream, generation)}/{file}", data)
+    storage.write_bytes(fmt.data_path(stream, file, generation), data)
 
 
 def _test_stop_before_commit(stream: int, shard: int) -> None:
