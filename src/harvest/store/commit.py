@@ -182,7 +182,7 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
 
 
 def write_data(storage: Storage, stream: int, file: str, data: bytes | list, guard: Callable[[int], None],
-               generation: str = "") -> None:
+               generation: str) -> None:
     """Write a shard's data object (`file`, a name only this attempt writes) in the stream's `generation`, once
     `guard` confirms the lease."""
     guard(stream)

@@ -58,7 +58,7 @@ def stream_count(info: RunInfo, stream: int) -> int | None:
     return int(counts[stream]) if stream < len(counts) else None
 
 
-def sidecar_numbers(storage: Storage, stream: int, generation: str = "") -> list[int]:
+def sidecar_numbers(storage: Storage, stream: int, generation: str) -> list[int]:
     """The shard numbers that have a sidecar in a stream's `generation`, in order."""
     return sorted(k for name in storage.listdir(fmt.shard_dir(stream, generation))
                   if (k := fmt.sidecar_shard(name)) is not None)
@@ -96,7 +96,7 @@ def read_run_info(storage: Storage) -> RunInfo:
     return info
 
 
-def read_sidecar(storage: Storage, stream: int, shard: int, generation: str = "") -> Sidecar:
+def read_sidecar(storage: Storage, stream: int, shard: int, generation: str) -> Sidecar:
     """One sidecar, checked to name its own stream, shard and generation. ValueError saying what is wrong with
     it; storage's own error (a UserError naming the file) when it cannot be read."""
     sidecar = Sidecar.from_bytes(storage.read_bytes(fmt.sidecar_path(stream, shard, generation)))
