@@ -59,8 +59,8 @@ def open_inputs(urls: tuple[str, ...], tensors: tuple[str, ...], holdout_streams
     that differ between runs, or held-out streams that leave nothing to train on. Following (`follow`: the
     seconds between listings), a run not started yet is waited for, and every stream it covers is read,
     committed yet or not."""
-    runs = [open_run(url) if follow is None else Run(storage, wait_for_run(storage, follow))
-            for url, storage in ((u, Storage(u)) for u in urls)]
+    runs = [open_run(storage) if follow is None else Run(storage, wait_for_run(storage, follow))
+            for storage in map(Storage, urls)]
     widths: dict[str, int] = {}
     for run in runs:
         missing = [t for t in tensors if t not in run.tensors]
