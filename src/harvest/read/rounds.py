@@ -114,7 +114,7 @@ class Follower:
             time.sleep(self.poll)
             view = view.grown(self.storage)
         tokens = sum(sc.tokens for s, n in now.items() for sc in view.of_stream(s)[start.get(s, 0):n])
-        decided = Round(epoch, number, {int(s): int(n) for s, n in start.items()}, now, tokens)
+        decided = Round(epoch, number, counts(start), now, tokens)
         if self.book is not None and not self.book.create_exclusive(path, json.dumps(decided.to_json()).encode()):
             decided = Round.from_json(self.book.read_json(path))  # another reader decided it first
             view = self.covering(view, decided.end)
@@ -132,13 +132,12 @@ class Follower:
             self.book.create_exclusive(f"epoch_{epoch:05d}/end.json", json.dumps(record).encode())
 
     def _waiting_for(self, view: Snapshot, start: ShardCounts, epoch: int) -> str:
-        read = self.streams if self.streams is not None else covered_streams(view.info)
-        streams = [s for s in read if not view.done(s)]
+        wanted = self.streams if self.streams is not None else covered_streams(view.info)
+        streams = [s for s in wanted if not view.done(s)]
         shown = ", ".join(f"{s} (shard {start.get(s, 0)})" for s in streams[:8]) + (" ..." if len(streams) > 8 else "")
-        read = sum(start.values())
-        return (f"{view.url}: epoch {epoch} has read every committed shard ({read}); waiting for `harvest extract` to "
-                f"commit more of stream{'s' if len(streams) > 1 else ''} {shown} ({len(streams)} not complete; "
-                f"listing every {self.poll:g}s)")
+        return (f"{view.url}: epoch {epoch} has read every committed shard ({sum(start.values())}); waiting for "
+                f"`harvest extract` to commit more of stream{'s' if len(streams) > 1 else ''} {shown} "
+                f"({len(streams)} not complete; listing every {self.poll:g}s)")
 
 
 def _waiting(since: float | None, line: str) -> float:
