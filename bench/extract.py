@@ -242,7 +242,11 @@ def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
                            prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=seq,
                            long="truncate", strict=False, sample_error=prompts.SampleError)
     rows = list(pack_stream(events, seq))
-    B = args.batch_size
+    # As the job runs on this host: one slot, each batch split over the cores' devices (runtime.cores).
+    devices = cores.core_devices(0)
+    decoder = load_decoder(model_dir, args.points, make_mesh(f"data={len(devices)}", devices), "float32",
+                           out_dtype="bfloat16", moment_slots=moments.SLOTS)
+    B = args.batch_size * len(devices)
     packed = []
     for at in range(0, len(rows), B):
         tokens, segments = np.zeros((B, seq), np.int32), np.zeros((B, seq), np.int32)
@@ -255,17 +259,12 @@ def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
                         max_length=seq, return_tensors="pt")
               for at in range(0, len(texts), args.hf_batch_size)]
 
-    # As the job runs on this host: one slot, its batches on the cores' devices in turn (runtime.cores).
-    decoder = load_decoder(model_dir, args.points, make_mesh("data=1", jax.devices()[:1]), "float32",
-                           out_dtype="bfloat16", replicas=True, moment_slots=moments.SLOTS)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
-    turns = len(decoder.replicas) + 1
-    jax.block_until_ready([decoder.step(*packed[0]) for _ in range(turns)])  # compiled before timing on every device
-    packed = [packed[at : at + turns] for at in range(0, len(packed), turns)]  # as many at once as take turns
+    jax.block_until_ready(decoder.step(*packed[0]))  # compiled before timing
 
-    def harvest_call(batches):
-        jax.block_until_ready([decoder.step(*batch) for batch in batches])
+    def harvest_call(batch):
+        jax.block_until_ready(decoder.step(*batch))
 
     @torch.no_grad()
     def hf_call(enc):

@@ -137,7 +137,7 @@ def test_auto_picks_by_backend_and_refusals_are_one_line_errors():
     windows, mesh8 = (None, 100), make_mesh("data=8")
     assert jax.default_backend() == "cpu"
     assert resolve("auto", windows, 256) == "blocks"
-    assert resolve("auto", windows, 256, mesh8) == "dense"  # blocks' gathers do not shard
+    assert resolve("auto", windows, 256, mesh8) == "blocks"  # under shard_map: each device its own rows
     assert resolve("auto", windows, 256, backward=True) == "dense"  # blocks has no backward pass
     assert resolve("pallas-gpu", windows, 100) == "pallas-gpu"  # a window as long as the row hides nothing
     for kind, seq, backward, words in (("pallas-gpu", 256, False, "sliding window of 100 tokens"),

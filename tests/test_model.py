@@ -145,20 +145,20 @@ def test_block_sparse_row_repeats_bit_for_bit_whatever_rows_share_its_batch(tmp_
             np.testing.assert_array_equal(apart[key][0], values[0], err_msg=f"{key} with rows {rows}")
 
 
-def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
-    """A one-process CPU run's other cores take batches in turn (runtime.cores): each batch's values must be
-    the same bits on whichever device ran it, and successive calls must alternate devices. `compile_forward`
-    builds every device's program up front, from the params' shapes alone, so that no batch waits for one
-    (none compiles after it)."""
+def test_the_cores_split_a_batch_with_the_bits_of_one_device(tmp_path):
+    """A one-process CPU run splits each batch over the host's cores (runtime.cores: one slot on a data mesh,
+    block-sparse attention under shard_map): every row must be the same bits as on one device, and
+    `compile_forward` builds the one program up front, from the params' shapes alone, so that no batch compiles
+    it again."""
     from harvest.model import compile_forward, load_decoder
 
     ckpt = ref.build_checkpoint("qwen2", tmp_path)
-    ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30]], 256, seed=4)
-    mesh = make_mesh("data=1", jax.devices()[:1])
-    settings = dict(compute_dtype="float32", replicas=True, attention="blocks")
-    compile_forward(ckpt, "resid_post:all,mlp_hidden:1", mesh, ids.shape, **settings).result()
-    decoder = load_decoder(ckpt, "resid_post:all,mlp_hidden:1", mesh, **settings)
-    assert f"{len(jax.devices()) - 1} more CPU devices taking batches in turn" in decoder.describe()
+    ids, segments = packed_rows([[60, 100, 80], [256], [10, 20, 30], [200, 40]], 256, seed=4)
+    settings = dict(compute_dtype="float32", attention="blocks")
+    points = "resid_post:all,mlp_hidden:1"
+    cores = make_mesh("data=4", jax.devices()[:4])
+    compile_forward(ckpt, points, cores, ids.shape, **settings).result()
+    decoder = load_decoder(ckpt, points, cores, **settings)
     compiles = []
 
     def listener(event, seconds, **_):
@@ -167,14 +167,14 @@ def test_replicas_take_batches_in_turn_with_the_same_bits(tmp_path):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        calls = jax.block_until_ready([decoder(ids, segments) for _ in range(3)])
+        split = jax.block_until_ready(decoder(ids, segments))
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == [], f"{len(compiles)} compiles after compile_forward"
-    assert [next(iter(c.values())).devices() for c in calls] == [{d} for d in jax.devices()[:3]]
-    for call in calls[1:]:
-        for point, values in call.items():
-            np.testing.assert_array_equal(np.asarray(values), np.asarray(calls[0][point]), err_msg=point)
+    assert len(next(iter(split.values())).sharding.device_set) == 4
+    alone = load_decoder(ckpt, points, make_mesh("data=1", jax.devices()[:1]), **settings)(ids, segments)
+    for point, values in alone.items():
+        np.testing.assert_array_equal(np.asarray(split[point]), np.asarray(values), err_msg=point)
 
 
 def test_early_exit_runs_only_needed_layers_and_matches(tokens, tmp_path):

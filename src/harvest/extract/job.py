@@ -38,7 +38,7 @@ from harvest.model import (
     parse_points,
 )
 from harvest.model.attention import resolve as resolve_attention
-from harvest.model.weights import resolve_checkpoint
+from harvest.model.weights import params_shape, resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import data_slots, describe, make_mesh
@@ -63,21 +63,26 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # The tokenizer loads beside the backend's start (transformers imports torch where it is installed: seconds).
     tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint)
     backend_start = since_start()
-    # Without a --mesh, a one-process CPU run is one slot whose batches take the host's cores in turn.
+    # Without a --mesh, a one-process CPU run is one slot whose batches the host's cores split (runtime.cores).
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
     cores_as_devices = cores.expose_cores(multi or cfg.mesh is not None)
     distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, timeout_s=cfg.peer_timeout)
     cache.keep_compiled(not cfg.no_compile_cache)
-    replicas = cores_as_devices and jax.default_backend() == "cpu"
-    mesh = make_mesh("data=1", jax.devices()[:1]) if replicas else make_mesh(cfg.mesh or f"data={jax.device_count()}")
+    one_slot = cores_as_devices and jax.default_backend() == "cpu"
+    model = ModelConfig.from_dir(checkpoint)
+    plan = parse_points(cfg.points, model.num_layers)
+    compute_dtype = cfg.compute_dtype or default_compute_dtype()
+    if one_slot:
+        devices = cores.core_devices(cores.tree_bytes(params_shape(model, dtype=compute_dtype,
+                                                                   num_layers=plan.num_layers)))
+        mesh = make_mesh(f"data={len(devices)}", devices)
+    else:
+        mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     clock.span("backend", backend_start)
 
     out = Storage(cfg.out)
-    model = ModelConfig.from_dir(checkpoint)
-    plan = parse_points(cfg.points, model.num_layers)
     data = streams.open_data(cfg.data)
     chosen = _chosen_streams(cfg, data.num_streams)
-    compute_dtype = cfg.compute_dtype or default_compute_dtype()
     # The implementation run, in run.json's config and agreed by every process (all compile one program); not an
     # output setting: another kernel rounds differently, no more, so a resume may use another.
     cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, model.sliding_windows, cfg.max_seq_len,
@@ -91,14 +96,14 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # line at once and exits when the compile ends (it cannot be interrupted), leaving the program in the cache.
     # 8-bit codes are made on the host from float32 values, whose moments the sidecars' stats are.
     decoding = dict(compute_dtype=compute_dtype, out_dtype="float32" if quant.is_quantized(cfg.dtype) else cfg.dtype,
-                    replicas=replicas, moment_slots=moments.SLOTS, attention=cfg.attention)
+                    moment_slots=moments.SLOTS, attention=cfg.attention)
     compile_start = since_start()
     compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
     compiled.add_done_callback(lambda _: clock.span("compile", compile_start))
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
-    fed, owned = _slot_plan(mesh, chosen)
+    fed, owned = _slot_plan(mesh, chosen, one_slot)
     mine = sorted(s for k in owned for s in fed[k])
     whole = len(chosen) == data.num_streams  # --overwrite of every stream replaces run.json too
     if not (cfg.overwrite and whole):
@@ -126,7 +131,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
             decoder = clock.timed("weights", load_decoder, checkpoint, cfg.points, mesh, **decoding)
             return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure,
-                            sigterm, clock)
+                            sigterm, clock, slot_rows=cfg.batch_size * (data_slots(mesh) if one_slot else 1))
         finally:
             leases.release_all()
 
@@ -147,10 +152,13 @@ def _renderer(cfg: ExtractConfig, tokenizer) -> prompts.Renderer:
                                  arc=prompts.ArcOptions(**arc))
 
 
-def _slot_plan(mesh, chosen: list[int]) -> tuple[dict[int, list[int]], set[int]]:
+def _slot_plan(mesh, chosen: list[int], one_slot: bool = False) -> tuple[dict[int, list[int]], set[int]]:
     """Slot k (the k-th block of the batch, over data x fsdp) takes streams chosen[k::slots]. A process
     feeds every slot with a device on it (the model axis may span hosts: each feeds the same rows) and
-    owns, i.e. writes, the slots whose first device is its own."""
+    owns, i.e. writes, the slots whose first device is its own. `one_slot`: the whole batch is one slot
+    (a one-process CPU run's cores)."""
+    if one_slot:
+        return {0: list(chosen)}, {0}
     grid = mesh.devices.reshape(-1, mesh.devices.shape[-1])
     me = jax.process_index()
     fed = {k: chosen[k :: len(grid)] for k, devices in enumerate(grid) if any(d.process_index == me for d in devices)}
@@ -185,7 +193,7 @@ def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: 
 
 def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
              out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag,
-             clock: Startup) -> dict[str, Any]:
+             clock: Startup, slot_rows: int) -> dict[str, Any]:
     # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
     # wiped by --overwrite starts afresh in a generation of its own: nothing a stalled writer lands is read there.
     chains = {s: [] if cfg.overwrite else sweep(out, s, leases.generation(s), leases.check) if s in mine
@@ -216,7 +224,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     start = time.monotonic()
     with progress.display(), distributed.peers_watched():
         stopped = run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer,
-                               progress, failure, compiled, stop=lambda: sigterm.raised, startup=clock)
+                               progress, failure, compiled, stop=lambda: sigterm.raised, startup=clock,
+                               slot_rows=slot_rows)
     if stopped:
         raise RetryLater("stopped on SIGTERM: the shards closed by then are committed, the leases released; rerun "
                          "the same command to resume")
@@ -224,7 +233,7 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
         leases.release(stream)
     with distributed.peers_watched():
         distributed.barrier("harvest-extract-done")
-    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": decoder.describe(),
+    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": describe(decoder.mesh),
             "startup": clock.line()}
 
 

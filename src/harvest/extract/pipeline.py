@@ -37,21 +37,21 @@ log = logging.getLogger("harvest")
 def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batch_size: int, seq_len: int,
                  writers: dict, committer: Committer, progress: Progress, failure: list[BaseException],
                  compiled: Future | None = None, stop: Callable[[], bool] = lambda: False,
-                 startup: Startup | None = None) -> bool:
+                 startup: Startup | None = None, slot_rows: int | None = None) -> bool:
     """Feed, forward and write until every slot's streams are done (on every process together), or until
     `stop()` is true on any process; returns whether it stopped early, when the shards closed by then are
     committed. Raises the first failure of any stage. `compiled`: the forward's compile under way
     (model.compile_forward), awaited before the first batch. `startup`: records the feeder's first batch and the
-    first forward's dispatch, and logs its line then."""
-    num_slots = data_slots(decoder.mesh)
-    shape = (num_slots * batch_size, seq_len)
+    first forward's dispatch, and logs its line then. `slot_rows`: a slot's rows per step (default batch_size;
+    the whole batch where it is one slot)."""
+    shape = (data_slots(decoder.mesh) * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
     batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
     halt = threading.Event()
     startup = startup or Startup()
     rows_start = since_start()
-    feeder = Stage(lambda: feed(todo, stream_rows, batch_size, shape, batches, failure, halt,
+    feeder = Stage(lambda: feed(todo, stream_rows, slot_rows or batch_size, shape, batches, failure, halt,
                                 first=lambda: startup.span("rows", rows_start)), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
     if compiled is not None:

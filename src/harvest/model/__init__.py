@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import itertools
 import os
 import threading
 from functools import partial
@@ -21,8 +20,7 @@ from harvest.model.moments import piece_moments
 from harvest.model.points import POINTS, CapturePlan, parse_points
 from harvest.model.transformer import forward
 from harvest.model.weights import load_params, params_shape, resolve_checkpoint
-from harvest.runtime import cores
-from harvest.runtime.mesh import constrainer, describe, logical_sharding, make_mesh
+from harvest.runtime.mesh import constrainer, logical_sharding
 
 __all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "load_decoder",
            "parse_points"]
@@ -42,61 +40,38 @@ class Decoder:
     params: dict
     mesh: Mesh
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
-    attention: str = "auto"  # model.attention.KINDS; auto: the backend's best (blocks on a one-device CPU mesh)
-    replicas: list = dataclasses.field(default_factory=list)  # one-device mesh: more devices that take batches in turn
+    attention: str = "auto"  # model.attention.KINDS; auto: the backend's best
     moment_slots: int = 0  # > 0: `step` also gives each row's first pieces' mean and M2 (harvest.model.moments)
 
     def __post_init__(self):
-        if self.replicas and self.mesh.devices.size != 1:
-            raise ValueError("replicas need a one-device mesh")
         self._forward = _forward_program(self.cfg, self.plan, self.mesh, self.out_dtype, self.attention,
                                          self.moment_slots)
-        # (mesh, its params) in turn: the mesh's own, then each replica's one-device mesh. Placed alike, as
-        # compile_forward places their shapes, so that its programs are the ones these calls find.
-        copies = []
-        for mesh in _replica_meshes(self.replicas):
-            shardings = jax.tree.map(lambda a: a.sharding, params_shape(self.cfg, dtype=jax.tree.leaves(
-                self.params)[0].dtype, mesh=mesh, num_layers=self.plan.num_layers))
-            copies.append((mesh, jax.device_put(self.params, shardings)))
-        self._turns = itertools.cycle([(self.mesh, self.params), *copies])
 
-    def describe(self) -> str:
-        """Where forwards run, for the end summary."""
-        extra = len(self.replicas)
-        return describe(self.mesh) + (f", and {extra} more CPU device{'s' * (extra > 1)} taking batches in turn"
-                                      if extra else "")
-
-    def shard_batch(self, array: np.ndarray, mesh: Mesh | None = None) -> jax.Array:
+    def shard_batch(self, array: np.ndarray) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
-        sharding = _batch_sharding(array.shape, mesh or self.mesh)
+        sharding = _batch_sharding(array.shape, self.mesh)
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     def __call__(self, tokens: np.ndarray, segment_ids: np.ndarray) -> dict[str, jax.Array]:
-        """{point: [n_layers_captured, batch, seq, width]} on device (the mesh, or the replica whose turn it is;
-        dispatched asynchronously, so that replicas run side by side)."""
+        """{point: [n_layers_captured, batch, seq, width]} on device (dispatched asynchronously)."""
         return self.step(tokens, segment_ids)[0]
 
     def step(self, tokens: np.ndarray, segment_ids: np.ndarray) -> tuple[dict[str, jax.Array], dict[str, tuple]]:
         """The captures, and {point: (mean, M2)} [n_layers_captured, batch, moment_slots, width] float32 of each
         row's first `moment_slots` pieces ({} without moment slots)."""
         tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
-        mesh, params = next(self._turns)
-        return self._forward(params, self.shard_batch(tokens, mesh), self.shard_batch(segment_ids, mesh))
+        return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
-                 out_dtype: str | None = None, replicas: bool = False, moment_slots: int = 0,
-                 attention: str = "auto") -> Decoder:
-    """Read config and weights (only the layers the points need) straight into the mesh; with `replicas`, a copy
-    on each further CPU device that runtime.cores made room for."""
+                 out_dtype: str | None = None, moment_slots: int = 0, attention: str = "auto") -> Decoder:
+    """Read config and weights (only the layers the points need) straight into the mesh."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
-    return Decoder(cfg, plan, params, mesh, out_dtype, attention,
-                   replicas=cores.replica_devices(cores.tree_bytes(params)) if replicas else [],
-                   moment_slots=moment_slots)
+    return Decoder(cfg, plan, params, mesh, out_dtype, attention, moment_slots=moment_slots)
 
 
 @functools.lru_cache(maxsize=16)
@@ -105,7 +80,7 @@ def _forward_program(cfg: ModelConfig, plan: CapturePlan, mesh: Mesh, out_dtype:
     """The jitted step (captures, and each row's first pieces' moments), one per setting: compile_forward's
     programs are the ones the Decoder then runs."""
     one_device = mesh.devices.size == 1
-    # On one device there is nothing to pin (and a replica's device is not the mesh's).
+    # On one device there is nothing to pin.
     constrain = None if one_device else constrainer(mesh)
     run = partial(forward, cfg=cfg, plan=plan, constrain=constrain, attention=attention,
                   mesh=None if one_device else mesh)
@@ -121,38 +96,25 @@ def _forward_program(cfg: ModelConfig, plan: CapturePlan, mesh: Mesh, out_dtype:
     return jax.jit(step)
 
 
-def _replica_meshes(devices: list) -> list[Mesh]:
-    return [make_mesh("data=1", [device]) for device in devices]
-
-
 def _batch_sharding(shape: tuple[int, int], mesh: Mesh):
     return logical_sharding(shape, ("batch", None), mesh)
 
 
 def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, int],
-                    compute_dtype: str | None = None, out_dtype: str | None = None, replicas: bool = False,
-                    moment_slots: int = 0, attention: str = "auto") -> concurrent.futures.Future:
+                    compute_dtype: str | None = None, out_dtype: str | None = None, moment_slots: int = 0,
+                    attention: str = "auto") -> concurrent.futures.Future:
     """Compile the forward that load_decoder's Decoder (same arguments) runs on batches of `shape`, from the
     params' shapes alone, in the background: the compile (seconds on a CPU, minutes for a large model on a pod)
-    overlaps reading the weights and the data's first rows. With replicas, every device's copy compiles at once,
-    each in its own thread (XLA lets go of the GIL while it compiles), so that no device's first batch stalls the
-    run. The result() is None; wait for it before the first batch, or that batch compiles the forward again."""
+    overlaps reading the weights and the data's first rows. The result() is None; wait for it before the first
+    batch, or that batch compiles the forward again."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     program = _forward_program(cfg, plan, mesh, out_dtype, attention, moment_slots)
-    dtype = compute_dtype or default_compute_dtype()
-    meshes = [mesh]
-    if replicas:
-        weights = cores.tree_bytes(params_shape(cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers))
-        meshes += _replica_meshes(cores.replica_devices(weights))
-    calls = []
-    for on in meshes:
-        batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, on))
-        calls.append((params_shape(cfg, dtype=dtype, mesh=on, num_layers=plan.num_layers), batch, batch))
-    pool = concurrent.futures.ThreadPoolExecutor(len(calls) + 1, thread_name_prefix="compile")
-    compiles = [pool.submit(_compile_behind, program, args) for args in calls]
-    done = pool.submit(lambda: [c.result() for c in compiles] and None)  # raises the first compile's error
+    params = params_shape(cfg, dtype=compute_dtype or default_compute_dtype(), mesh=mesh, num_layers=plan.num_layers)
+    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, mesh))
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+    done = pool.submit(_compile_behind, program, (params, batch, batch))
     pool.shutdown(wait=False)
     return done
 

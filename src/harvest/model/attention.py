@@ -6,8 +6,8 @@ segment, inside its layer's sliding window when it has one. Padding sees earlier
 
   dense       jax.nn.dot_product_attention over the [rows, 1, seq, seq] mask: the reference; seq^2 memory.
   blocks      the (query block, key block) pairs that share a segment (model.blocks): ~sum(len_i^2) work;
-              CPU's extraction path (its gathers do not shard, so a mesh of several devices gets dense;
-              its loop's trip count is dynamic, so it has no backward pass and training gets dense).
+              CPU's extraction path, under shard_map on a mesh (each device its own rows' pairs); its loop's
+              trip count is dynamic, so it has no backward pass and training gets dense.
   splash      TPU splash attention: segment ids, a causal or local (sliding window) mask, GQA by the
               kernel's own grouping (k/v are never repeated), flash residuals for the backward pass.
   pallas-gpu  the Pallas (Triton) flash kernel with segment ids. Chosen over cuDNN's packed path
@@ -17,8 +17,8 @@ segment, inside its layer's sliding window when it has one. Padding sees earlier
               its kv head (GQA: k/v are never repeated); the backward repeats them (see _gqa_backward).
               Tiles per head size and row length (pallas_blocks). No sliding window (a window shorter
               than the row is refused).
-  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it), blocks on a
-              one-device CPU mesh for extraction, else dense on CPU.
+  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it); on CPU blocks for
+              extraction and dense for training.
 
 The two kernels run compiled on their own backend and in Pallas interpret mode anywhere else
 (interpret = backend != theirs): slow, but the same program, which is how the tests check them on CPU.
@@ -73,7 +73,7 @@ def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backw
         if backend in KERNEL_BACKEND.values():
             kind = "pallas-gpu" if backend == "gpu" else "splash"
             return "dense" if kind == "pallas-gpu" and windowed else kind
-        return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
+        return "dense" if backward else "blocks"
     if kind == "blocks" and backward:
         raise AttentionError("--attention blocks: its loop runs over each batch's real block pairs, a count known "
                              "only at run time, which has no backward pass; train with --attention dense (or auto)")
@@ -93,6 +93,9 @@ def attention_of(kind: str, segment_ids: jax.Array, windows, scale: float, mesh:
     windows = limiting(windows, seq)
     if kind in ("dense", "blocks"):
         window = jnp.asarray([w or seq for w in windows], jnp.int32)
+        if kind == "blocks" and mesh is not None and mesh.devices.size > 1:  # each device its own rows' pairs
+            local = lambda w: lambda q, k, v, rows: block_sparse_attention(q, k, v, rows, w, block_pairs(rows), scale)
+            return lambda i: lambda q, k, v: _sharded(local(window[i]), mesh, q, k, v, segment_ids)
         if kind == "blocks":
             pairs = block_pairs(segment_ids)
             return lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, window[i], pairs, scale)

@@ -3,9 +3,9 @@
 XLA:CPU runs one device's programs one after another, and a loop inside a program (block-sparse
 attention is one) on a single thread: one device leaves the other cores idle for half of a packed
 forward. So before the backend starts, a one-process run gives JAX one CPU device per core (at most
-MAX_DEVICES); the mesh stays one slot on the first device, and the Decoder runs successive batches on
-successive devices ("replicas"), each holding a copy of the weights. Values are the same on every
-replica: the same program on the same CPU.
+MAX_DEVICES), and extraction puts them on the mesh's data axis as one slot: each step's batch is split
+over them, each device holding a copy of the weights and running the same compiled program on its own
+rows (so the program compiles once, and a row's values are the same bits whatever the core count).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ def expose_cores(other_layout: bool) -> bool:
     return _exposed
 
 
-def replica_devices(weight_bytes: int) -> list[jax.Device]:
-    """The CPU devices after the first that take batches in turn: as many as there are (see expose_cores),
-    fewer where the weights' copies would take more than their share of memory."""
+def core_devices(weight_bytes: int) -> list[jax.Device]:
+    """The CPU devices that split a one-process run's batches (see expose_cores): as many as there are, fewer
+    where the weights' copies would take more than their share of memory."""
     if jax.default_backend() != "cpu":
-        return []
+        return jax.local_devices()[:1]
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     fit = int(memory // WEIGHTS_SHARE // max(weight_bytes, 1))
-    return jax.local_devices()[1 : max(1, min(jax.local_device_count(), fit))]
+    return jax.local_devices()[: max(1, min(jax.local_device_count(), fit))]
 
 
 def tree_bytes(tree) -> int:
