@@ -146,7 +146,7 @@ def get(q: queue.Queue, failure: list[BaseException]):
 
 
 def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple[int, int], batches: queue.Queue,
-          failure: list[BaseException], halt: threading.Event, first: Callable[[], None] = lambda: None) -> None:
+          failure: list[BaseException], halt: threading.Event, first: Callable[[], None] | None = None) -> None:
     """Batches of `batch_size` rows for each slot this process feeds (the other blocks stay empty: other
     processes feed them); a slot out of streams pads with empty rows. Stops when `halt` is set. `first()` is
     called once the first batch is made."""
@@ -165,7 +165,9 @@ def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple
                 tokens[i], segments[i] = item[1].tokens, item[1].segments
         if not any(rows):
             continue
-        first()
+        if first is not None:
+            first()
+            first = None
         if not put(batches, Batch(tokens, segments, rows), failure, halt):
             return
     put(batches, None, failure, halt)

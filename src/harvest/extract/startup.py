@@ -49,9 +49,10 @@ class Startup:
         self.spans: dict[str, tuple[float, float]] = {}
         self.first_batch: float | None = None
 
-    def span(self, stage: str, start: float, end: float | None = None) -> None:
+    def span(self, stage: str, start: float) -> None:
+        """The stage ran from `start` until now (its first record stands)."""
         with self._lock:
-            self.spans.setdefault(stage, (start, since_start() if end is None else end))
+            self.spans.setdefault(stage, (start, since_start()))
 
     def timed(self, stage: str, fn, *args, **kwargs):
         """fn(*args, **kwargs), its seconds recorded as `stage`."""
@@ -78,8 +79,3 @@ class Startup:
         if total is None:  # every stream was done already
             return f"start-up: no batch to run ({parts})"
         return f"start-up: {total:.1f} s to the first batch ({parts})"
-
-    def to_json(self) -> dict:
-        with self._lock:
-            return {"first_batch_s": None if self.first_batch is None else round(self.first_batch, 2),
-                    **{f"{stage}_s": [round(start, 2), round(end, 2)] for stage, (start, end) in self.spans.items()}}

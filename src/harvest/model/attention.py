@@ -23,7 +23,8 @@ segment, inside its layer's sliding window when it has one. Padding sees earlier
 The two kernels run compiled on their own backend and in Pallas interpret mode anywhere else
 (interpret = backend != theirs): slow, but the same program, which is how the tests check them on CPU.
 Their rows are padded to a multiple of 128 (segment 0 at the end: causal, so no real token sees it) and
-they run under shard_map, heads over the mesh's `model` axis and rows over its data axes.
+they run under shard_map, heads over the mesh's `model` axis and rows over its data axes. Their Pallas
+modules are imported where a kernel is built: a CPU job never needs them (~0.2 s of every start).
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import Mesh, PartitionSpec
 
 from harvest.config import ATTENTION_KINDS as KINDS
@@ -153,6 +149,8 @@ def _sharded(local, mesh: Mesh, q, k, v, segment_ids):
 
 def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
     """Splash over each row: q [h, s, d] against k, v [g, s, d] (the kernel maps h/g query heads to each)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
     seq, heads = q.shape[1], q.shape[2]
     kernel = _splash_kernel(seq, heads, window, interpret)
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
@@ -164,6 +162,9 @@ def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, interpret
 @functools.cache
 def _splash_kernel(seq: int, heads: int, window: int | None, interpret: bool):
     """Blocks of 512 where the row allows (as MaxText and levanter default), else the largest of 256, 128."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
     block = next(b for b in (512, 256, LANES) if seq % b == 0)
     mask = (splash_mask.CausalMask((seq, seq)) if window is None
             else splash_mask.LocalMask((seq, seq), (window - 1, 0), offset=0))
@@ -191,7 +192,10 @@ class PallasBlocks:
     def __str__(self) -> str:
         return f"{self.block_q}x{self.block_k}w{self.warps}s{self.stages}b{self.back_q}x{self.back_k}"
 
-    def sizes(self) -> pallas_gpu.BlockSizes:
+    def sizes(self):
+        """jax's pallas_gpu.BlockSizes of these tiles."""
+        from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
         return pallas_gpu.BlockSizes(block_q=self.block_q, block_k=self.block_k, block_q_dkv=self.back_q,
                                      block_kv_dkv=self.back_k, block_q_dq=self.back_k, block_kv_dq=self.back_q)
 
@@ -284,6 +288,10 @@ def _gqa_forward(q, k, v, segment_ids, scale, blocks, interpret):
     pallas_gpu.mha builds it, but query head h reads kv head h // (heads / kv heads): no repeated k/v in
     memory, and a group's query heads share their k/v in L2. Returns (out, (residuals)) as the backward
     takes them."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
     batch, seq, heads, dim = q.shape
     rep = heads // k.shape[2]
     padded = pl.next_power_of_2(dim)
@@ -306,6 +314,8 @@ def _gqa_backward(scale, blocks, interpret, residuals, d_out):
     """jax's fused backward kernel (its private _mha_backward: the same in jax 0.10.2 and 0.11) over k/v
     repeated to the query heads, each group's dk/dv then summed in fp32: the backward of GQA. Training
     holds the repeated copy for one layer's backward at a time (memory ~seq)."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+
     q, k, v, segment_ids, out, lse = residuals
     batch, seq, groups, dim = k.shape
     rep = q.shape[2] // groups
