@@ -126,8 +126,10 @@ def test_the_dequantized_tensors_are_transformers_own(checkpoint, hf_model):
 
 def test_tokenizer_and_chat_template_are_the_gguf_ones(checkpoint, hf_tokenizer):
     ours = load_tokenizer(checkpoint)
-    for text in pydoc_paragraphs(5) + ["  leading spaces, naïve café 猫 🙂\n\ttabs"]:
-        assert ours(text)["input_ids"] == hf_tokenizer(text)["input_ids"]
+    kept = load_tokenizer(checkpoint, encode_only=True)  # what the first load kept (data.tokenizer_cache)
+    assert type(kept).__name__ == "BackendEncoder"
+    for text in pydoc_paragraphs(5) + ["  leading spaces, naïve café 猫 🙂\n\ttabs", "e\u0301 <|im_start|>x"]:
+        assert ours(text)["input_ids"] == hf_tokenizer(text)["input_ids"] == kept([text])["input_ids"][0]
     messages = [{"role": "user", "content": "What is the capital of Germany?"},
                 {"role": "assistant", "content": "Berlin."}]
     [rendered] = make_renderer("chat", ours)(Record(0, "t.jsonl:1", {"messages": messages}))

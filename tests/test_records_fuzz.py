@@ -346,6 +346,22 @@ def test_mutated_records_are_skipped_with_their_reason_and_valid_ones_stored(fmt
     assert report.ok, report
 
 
+def test_a_kept_tokenizer_encodes_every_text_as_transformers_does(model, tmp_path, monkeypatch):
+    """A text or ARC job after the first encodes with the tokenizer the first one kept (data.tokenizer_cache: no
+    transformers import): the ids transformers gives, with and without special tokens, on every valid fuzzed
+    text and on text transformers' own normalizer changes (not NFC), special tokens written out, nothing."""
+    monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / "cache"))
+    built = load_tokenizer(model)
+    kept = load_tokenizer(model, encode_only=True)
+    assert type(kept).__name__ == "BackendEncoder" and kept.built_by == type(built).__name__
+    texts = [value["text"] for value in valid_lines(generate("text", PER_FORMAT, SEED)).values()]
+    texts += ["e\u0301", "A\u030a ﬁ \u2163", "<|endoftext|> and <|im_start|>", "", "  two  spaces\n\ttab"]
+    for special in (True, False):
+        assert kept(texts, add_special_tokens=special)["input_ids"] == \
+            built(texts, add_special_tokens=special)["input_ids"]
+    assert type(load_tokenizer(model)).__name__ == type(built).__name__  # a chat job still gets transformers'
+
+
 def events_of(fmt, data, tokenizer, strict):
     render = make_renderer(fmt, tokenizer)
     return stream_pieces(iter_records(data), render, encoder(tokenizer, fmt), first_index=0,

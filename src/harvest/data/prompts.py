@@ -139,13 +139,19 @@ def make_renderer(fmt: str, tokenizer: Any, *, text_field: str = "text", arc: Ar
     raise UserError(f"--format: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
-def load_tokenizer(checkpoint) -> Any:
-    """The checkpoint's own tokenizer (transformers, fast), chat template included."""
+def load_tokenizer(checkpoint, encode_only: bool = False) -> Any:
+    """The checkpoint's own tokenizer (transformers, fast), chat template included. `encode_only`: all the caller
+    does is `tokenizer(texts, add_special_tokens=...)`, which a tokenizer kept by an earlier job does without
+    importing transformers (harvest.data.tokenizer_cache)."""
     from pathlib import Path
+
+    from harvest.data import tokenizer_cache
 
     path = Path(checkpoint)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise UserError(f"--model {path}: no tokenizer files (tokenizer.json) in the checkpoint directory")
+    if encode_only and (kept := tokenizer_cache.load(path)) is not None:
+        return kept
     import os
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found" is no news to harvest
@@ -156,6 +162,7 @@ def load_tokenizer(checkpoint) -> Any:
     except Exception as e:  # transformers raises many kinds; all mean an unusable tokenizer
         raise UserError(f"--model {path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
     tokenizer.model_max_length = 2**62  # lengths are --max-seq-len's business, not a warning's
+    tokenizer_cache.keep(path, tokenizer)
     return tokenizer
 
 

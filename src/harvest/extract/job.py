@@ -61,7 +61,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     clock.span("imports", 0.0)
     checkpoint = resolve_checkpoint(cfg.model)
     # The tokenizer loads beside the backend's start (transformers imports torch where it is installed: seconds).
-    tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint)
+    tokenizer_loading = _in_background(clock.timed, "tokenizer", prompts.load_tokenizer, checkpoint,
+                                       encode_only=cfg.format != "chat")
     backend_start = since_start()
     # Without a --mesh, a one-process CPU run is one slot whose batches the host's cores split (runtime.cores).
     multi = distributed.resolve(cfg.coordinator, cfg.num_processes, cfg.process_id).multi
@@ -136,9 +137,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             leases.release_all()
 
 
-def _in_background(fn, *args) -> concurrent.futures.Future:
+def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
     pool = concurrent.futures.ThreadPoolExecutor(1)
-    future = pool.submit(fn, *args)
+    future = pool.submit(fn, *args, **kwargs)
     pool.shutdown(wait=False)
     return future
 

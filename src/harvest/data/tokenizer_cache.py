@@ -1,0 +1,123 @@
+"""A checkpoint's tokenizer as transformers builds it, kept for the next job that only encodes text.
+
+transformers builds a checkpoint's tokenizer from its model type and files (for qwen2 a Qwen2Tokenizer with its
+own normalizer and split, not tokenizer.json as it stands), and building it imports transformers and torch: ~2 s
+of CPU at every start. What a text or ARC job then calls, `tokenizer(texts, add_special_tokens=...)`, is for
+transformers' TokenizersBackend classes its Rust backend's `encode_batch` (TokenizersBackend._encode_plus, no
+truncation, no padding, `encode_special_tokens` set from `split_special_tokens`). So once built, that backend,
+serialized by the tokenizers library itself, is kept under $HARVEST_CACHE/tokenizers, keyed by the checkpoint's
+tokenizer files and the versions of transformers and tokenizers; a later job that only encodes loads it with
+tokenizers alone. A class that encodes another way (its own batch path) is never kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from harvest.runtime import cache
+
+# Every file AutoTokenizer may read from a checkpoint (config.json: the model type picks the class).
+FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+         "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTokenizer:
+    """The record under $HARVEST_CACHE/tokenizers/<key>.json."""
+
+    built_by: str  # the transformers class that built the backend
+    split_special_tokens: bool
+    backend: str  # tokenizers.Tokenizer.to_str()
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "KeptTokenizer":
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError("not a kept tokenizer")
+        if not (isinstance(raw["built_by"], str) and isinstance(raw["split_special_tokens"], bool)
+                and isinstance(raw["backend"], str)):
+            raise ValueError("not a kept tokenizer")
+        return cls(**raw)
+
+
+class BackendEncoder:
+    """`tokenizer(texts, add_special_tokens=...)["input_ids"]` as the kept backend encodes them."""
+
+    def __init__(self, kept: KeptTokenizer):
+        import tokenizers
+
+        self.built_by = kept.built_by
+        self.backend = tokenizers.Tokenizer.from_str(kept.backend)
+        self.backend.encode_special_tokens = kept.split_special_tokens
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        return {"input_ids": [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]}
+
+
+def _key(checkpoint: Path) -> str | None:
+    """The checkpoint's tokenizer files and the libraries that build and run them; None where a version is
+    unknown."""
+    digest = hashlib.sha256()
+    try:
+        for package in ("transformers", "tokenizers"):
+            digest.update(f"{package} {importlib.metadata.version(package)}\n".encode())
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for name in FILES:
+        path = checkpoint / name
+        if path.is_file():
+            digest.update(f"{name} {path.stat().st_size}\n".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _path(key: str) -> Path:
+    return cache.root() / "tokenizers" / f"{key}.json"
+
+
+def load(checkpoint: Path) -> BackendEncoder | None:
+    """The kept encoder of this checkpoint's tokenizer, or None (never kept, or unreadable: built afresh)."""
+    key = _key(checkpoint)
+    if key is None:
+        return None
+    try:
+        return BackendEncoder(KeptTokenizer.from_json(_path(key).read_text(encoding="utf-8")))
+    except Exception:  # missing, partial or foreign (tokenizers raises its own kind): transformers builds it again
+        return None
+
+
+def keep(checkpoint: Path, tokenizer: Any) -> None:
+    """Keep what `tokenizer` (as transformers built it) encodes with, where its class encodes through the backend
+    alone; best effort: a cache that cannot be written costs the next job its ~2 s, nothing else."""
+    from transformers import TokenizersBackend
+
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or any(
+            getattr(cls, name) is not getattr(TokenizersBackend, name) for name in ("__call__", "_encode_plus")):
+        return
+    key = _key(checkpoint)
+    if key is None or _path(key).exists():
+        return
+    backend = tokenizer.backend_tokenizer
+    backend.no_truncation()  # as _encode_plus sets it for a call without truncation or padding
+    backend.no_padding()
+    kept = KeptTokenizer(cls.__name__, bool(tokenizer.split_special_tokens), backend.to_str())
+    path = _path(key)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            temp = Path(f.name)
+            f.write(kept.to_json())
+        temp.replace(path)  # whole or not at all, for a job reading it meanwhile
+    except OSError:
+        if "temp" in locals():
+            temp.unlink(missing_ok=True)
