@@ -79,6 +79,22 @@ def test_kernel_equals_the_dense_reference_values_and_gradients(case):
         assert_close(ours, theirs, f"d{name}")
 
 
+@pytest.mark.parametrize("mesh_spec,window", [("data=8", None), ("data=2,model=4", 40), ("data=2,fsdp=2,model=2", None)])
+def test_blocks_on_a_mesh_equal_the_dense_reference(mesh_spec, window):
+    """CPU extraction's blocks under shard_map (each device its own rows' block pairs; heads over `model`,
+    within one kv group or with the groups split): the dense values on every real token (blocks' padding is
+    never read, and holds other values), and every value the same bits as blocks on one device."""
+    segments = packed_segments([[50, 40, 30], [128], [3, 60], [], [70, 58], [8] * 16, [100], [1]], 128)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((8, 128, n, 16)), jnp.float32) for n in (8, 2, 2))
+    mesh = make_mesh(mesh_spec)
+    assert resolve("auto", (window,), 128, mesh) == "blocks"
+    out = np.asarray(jax.jit(attend("blocks", segments, window, mesh))(q, k, v))
+    real = segments != 0
+    assert_close(out[real], np.asarray(jax.jit(attend("dense", segments, window))(q, k, v))[real], mesh_spec)
+    np.testing.assert_array_equal(out, np.asarray(jax.jit(attend("blocks", segments, window))(q, k, v)))
+
+
 def pallas_calls(jaxpr) -> list:
     """The pallas_call equations in `jaxpr` and its sub-jaxprs (custom_vjp, pjit, ...)."""
     found = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "pallas_call"]
