@@ -125,8 +125,9 @@ def test_one_tensor_of_eight_reads_only_its_bytes_from_s3(s3_proxy_url, s3_proxy
     down = s3_proxy.bytes_down - before
     check_rows(w, batches, ["resid_post.5"])
     assert len(tokens) == 255
-    # the header (one 16 KiB read), the two ranges, and HTTP's own headers: nothing of the other 7 tensors
-    assert wanted <= down <= wanted + 16 * 1024 + 8 * 1024, (down, shard_bytes)
+    # the header (one 16 KiB read), the two ranges, HTTP's own headers and the run's small JSON records (a
+    # loaded machine's retry re-reads one): nothing of the other 7 tensors, 512 KiB each
+    assert wanted <= down <= wanted + 64 * 1024, (down, shard_bytes)
     assert down < shard_bytes / 6
 
 
