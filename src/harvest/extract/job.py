@@ -234,8 +234,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
         leases.release(stream)
     with distributed.peers_watched():
         distributed.barrier("harvest-extract-done")
-    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress), "devices": describe(decoder.mesh),
-            "startup": clock.line()}
+    return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress),
+            "devices": describe(decoder.mesh), "startup": clock.line()}
 
 
 def _limit(records, n: int):
