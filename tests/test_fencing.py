@@ -19,31 +19,22 @@ import types
 
 import libfaketime
 import pytest
-from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest
 
 from harvest.storage import Storage
 
 pytestmark = pytest.mark.slow
 
 TTL = 4
-SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
-            "--shard-size", "160KB")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """3 streams of a 240-record dataset and a reference extraction, never interrupted."""
-    root = tmp_path_factory.mktemp("fencing")
-    checkpoint, env, streams = text_streams(root, 3, n=240)
-    cache = root / "cache"
-
-    def args(out: str, *extra: str) -> list[str]:
-        return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", out, *SETTINGS, *extra]
-
-    reference = str(root / "reference")
-    done = run_harvest(*args(reference), env=env)
-    assert done.returncode == 0, done.stderr
-    return types.SimpleNamespace(root=root, cache=cache, args=args, reference=committed(reference))
+def setup(fault_reference, tmp_path_factory):
+    """The session's 3 streams of a 240-record dataset and its reference extraction (conftest's fault_reference);
+    this module's runs and logs in a directory of its own."""
+    base = fault_reference
+    return types.SimpleNamespace(root=tmp_path_factory.mktemp("fencing"), cache=base.cache, args=base.args,
+                                 reference=committed(base.reference))
 
 
 def committed(url: str) -> dict[str, bytes]:

@@ -19,7 +19,7 @@ import types
 
 import numpy as np
 import pytest
-from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest
 
 import harvest.storage.local as local
 from harvest.errors import UserError
@@ -32,28 +32,20 @@ from harvest.store.listing import read_chain, stream_generation
 from harvest.store.records import Sidecar
 
 TTL = 4
-SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
-            "--shard-size", "160KB")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """3 streams of a 240-record dataset, the same records in 2 streams, and a reference extraction of the 3."""
+def setup(fault_reference, tmp_path_factory):
+    """The session's 3 streams of a 240-record dataset and its reference extraction (conftest's fault_reference),
+    the same records in 2 streams; this module's runs and logs in a directory of its own."""
+    base = fault_reference
     root = tmp_path_factory.mktemp("holes")
-    checkpoint, env, streams = text_streams(root, 3, n=240)
     two = root / "streams2"
-    made = run_harvest("streams", "create", "--data", str(root / "data.jsonl"), "--num-streams", "2", "--out",
-                       str(two), env=env)
+    made = run_harvest("streams", "create", "--data", str(base.source), "--num-streams", "2", "--out", str(two),
+                       env=harvest_env(base.cache))
     assert made.returncode == 0, made.stderr
-
-    def args(out: str, *extra: str, data=streams) -> list[str]:
-        return ["extract", "--model", str(checkpoint), "--data", str(data), "--out", out, *SETTINGS, *extra]
-
-    reference = str(root / "reference")
-    done = run_harvest(*args(reference), env=env)
-    assert done.returncode == 0, done.stderr
-    return types.SimpleNamespace(root=root, cache=root / "cache", args=args, two=two, reference=reference,
-                                 committed=committed_of(Storage(reference))[0])
+    return types.SimpleNamespace(root=root, cache=base.cache, args=base.args, two=two, reference=base.reference,
+                                 committed=committed_of(Storage(base.reference))[0])
 
 
 def start(setup, out: str, *extra: str, log: str, env: dict | None = None, prefix: tuple[str, ...] = ()
