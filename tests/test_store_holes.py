@@ -139,7 +139,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
         assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
         b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
                   log="p-b.log", prefix=another_vm(),
-                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:20"})
+                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:10"})
         # B wiped stream 0 and committed shards 0-2 anew (under its own attempt), and holds shard 3's commit.
         a_attempt = a_data[0][len("shard_000003-"):-len(".safetensors")]
 
