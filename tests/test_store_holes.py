@@ -19,7 +19,8 @@ import types
 
 import numpy as np
 import pytest
-from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest
+from extract_helpers import (RELEASE_COMMIT, another_vm, committed as committed_of, harvest_cmd, harvest_env,
+                             run_harvest)
 
 import harvest.storage.local as local
 from harvest.errors import UserError
@@ -132,14 +133,14 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     env = harvest_env(setup.cache)
     a = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "a", "--lease-ttl", str(TTL), log="p-a.log",
               env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3"})
-    b = None
+    b, release = None, setup.root / "partial.release"  # B's shard 3 is held until A has exited
     try:
         wait_until(lambda: state(a.pid) == "T", a, setup.root / "p-a.log")
         a_data = [n for n in Storage(out).listdir(shard_dir(out, 0)) if n.startswith("shard_000003-")]
         assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
         b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
                   log="p-b.log", prefix=another_vm(),
-                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:10"})
+                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:120", RELEASE_COMMIT: str(release)})
         # B wiped stream 0 and committed shards 0-2 anew (under its own attempt), and holds shard 3's commit.
         a_attempt = a_data[0][len("shard_000003-"):-len(".safetensors")]
 
@@ -151,6 +152,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
         wait_until(b_committed_three, b, setup.root / "p-b.log")
         os.killpg(a.pid, signal.SIGCONT)
         assert a.wait(timeout=60) == 3, (setup.root / "p-a.log").read_text()
+        release.touch()
         assert b.wait(timeout=120) in (0, 3), (setup.root / "p-b.log").read_text()
     finally:
         kill(a)
