@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -19,3 +21,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).parent))
 
 pytest_plugins = ["storage_servers"]
+
+
+@pytest.fixture(scope="session")
+def fault_reference(tmp_path_factory):
+    """test_fencing's and test_store_holes' common ground (extract_helpers.fault_reference), built once."""
+    from extract_helpers import fault_reference
+
+    return fault_reference(tmp_path_factory.mktemp("fault-reference"))

@@ -72,6 +72,42 @@ def text_streams(root: Path, num_streams: int, n: int, devices: int = 2) -> tupl
     return checkpoint, env, streams
 
 
+# A commit held by HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD:SECONDS ends early once the file this names exists.
+RELEASE_COMMIT = "HARVEST_TEST_RELEASE_COMMIT"
+
+
+def release_when(condition, release: Path, timeout: float = 300) -> None:
+    """Release a held commit (create `release`, the file RELEASE_COMMIT names) once `condition()` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"the held commit's condition did not hold within {timeout} s"
+        time.sleep(0.05)
+    release.touch()
+
+
+# The fault tests' extraction (test_fencing, test_store_holes): 3 streams of 240 records, small shards.
+FAULT_SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk",
+                  "--batch-size", "2", "--shard-size", "160KB")
+
+
+def fault_reference(root: Path):
+    """The fault tests' common ground, built once a session: the demo checkpoint and its cache (compiled programs
+    shared by every process those tests start), 3 streams of a 240-record dataset, `args(out, *extra, data=)`
+    for `harvest extract` with FAULT_SETTINGS, and a reference extraction never interrupted, under `root`."""
+    import types
+
+    checkpoint, env, streams = text_streams(root, 3, n=240)
+
+    def args(out: str, *extra: str, data=streams) -> list[str]:
+        return ["extract", "--model", str(checkpoint), "--data", str(data), "--out", out, *FAULT_SETTINGS, *extra]
+
+    reference = str(root / "reference")
+    done = run_harvest(*args(reference), env=env)
+    assert done.returncode == 0, done.stderr
+    return types.SimpleNamespace(root=root, cache=root / "cache", args=args, source=root / "data.jsonl",
+                                 reference=reference)
+
+
 def sidecars(out: Path) -> list[Path]:
     return sorted(out.glob("stream_*/shard_*.json"))
 

@@ -30,8 +30,8 @@ def table_rows(text: str) -> list[list[str]]:
 
 @pytest.mark.slow
 def test_smoke_check_prints_a_row_per_case(tmp_path):
-    """Over 30 s: about a minute of CPU, the start-ups of the nine processes a check runs (four stages, four
-    `harvest extract`, the HF script), as on a chip."""
+    """Over 30 s: the start-ups of the eight processes a smoke check runs (four stages, three `harvest extract`, the
+    HF script), as on a chip."""
     env = {**os.environ, "COLUMNS": "400", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     done = subprocess.run([sys.executable, str(BENCH / "chip.py"), "--smoke", "--logs", str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=600)

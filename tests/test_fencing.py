@@ -19,31 +19,23 @@ import types
 
 import libfaketime
 import pytest
-from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import (RELEASE_COMMIT, another_vm, committed as committed_of, harvest_cmd, harvest_env,
+                             release_when, run_harvest)
 
 from harvest.storage import Storage
 
 pytestmark = pytest.mark.slow
 
 TTL = 4
-SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
-            "--shard-size", "160KB")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """3 streams of a 240-record dataset and a reference extraction, never interrupted."""
-    root = tmp_path_factory.mktemp("fencing")
-    checkpoint, env, streams = text_streams(root, 3, n=240)
-    cache = root / "cache"
-
-    def args(out: str, *extra: str) -> list[str]:
-        return ["extract", "--model", str(checkpoint), "--data", str(streams), "--out", out, *SETTINGS, *extra]
-
-    reference = str(root / "reference")
-    done = run_harvest(*args(reference), env=env)
-    assert done.returncode == 0, done.stderr
-    return types.SimpleNamespace(root=root, cache=cache, args=args, reference=committed(reference))
+def setup(fault_reference, tmp_path_factory):
+    """The session's 3 streams of a 240-record dataset and its reference extraction (conftest's fault_reference);
+    this module's runs and logs in a directory of its own."""
+    base = fault_reference
+    return types.SimpleNamespace(root=tmp_path_factory.mktemp("fencing"), cache=base.cache, args=base.args,
+                                 reference=committed(base.reference))
 
 
 def committed(url: str) -> dict[str, bytes]:
@@ -109,9 +101,13 @@ def test_two_identical_commands_at_once_one_extracts(setup):
     """Two terminals, one command: the second watches the first's lease (a holder running on this host is
     watched like any other: only its TTL of silence would free it), sees it move and stops with one line."""
     out = str(setup.root / "twins")
-    # The holder's first commit waits 15 s (heartbeats going on), so that the other surely watches it meanwhile.
-    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:15"}
+    # The holder's first commit waits (heartbeats going on) until the other has stopped, so that the other surely
+    # watches it meanwhile (at most 120 s).
+    release = setup.root / "twins.release"
+    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:120",
+           RELEASE_COMMIT: str(release)}
     twins = [start(setup, out, "--lease-ttl", str(TTL), log=f"twin{i}.log", env=env) for i in range(2)]
+    release_when(lambda: any(p.poll() is not None for p in twins), release)
     codes = [p.wait(timeout=300) for p in twins]
     assert sorted(codes) == [0, 2], codes
     winner, loser = (twins[0], 1) if codes[0] == 0 else (twins[1], 0)
@@ -158,11 +154,15 @@ def test_two_containers_alike_in_worker_id_host_boot_and_pid_one_commits_each_sh
     and each harvest is pid 1 of its own namespace. One extracts; the other sees the lease move (the
     first's heartbeat) and stops with one line, having written nothing."""
     out = str(setup.root / "containers")
-    # The holder's first commit waits 15 s (heartbeats going on), so that the other is sure to start while it holds
-    # the lease: under load, one whole run can end before the other has started, and both rightly exit 0.
-    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:15"}
+    # The holder's first commit waits (heartbeats going on) until the other has stopped (at most 120 s), so that the
+    # other is sure to start while it holds the lease: under load, one whole run can end before the other has
+    # started, and both rightly exit 0.
+    release = setup.root / "containers.release"
+    env = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:0:120",
+           RELEASE_COMMIT: str(release)}
     twins = [start(setup, out, "--worker-id", "w", "--lease-ttl", str(TTL), log=f"container{i}.log",
                    prefix=another_vm(), env=env) for i in range(2)]
+    release_when(lambda: any(p.poll() is not None for p in twins), release)
     codes = [p.wait(timeout=300) for p in twins]
     assert sorted(codes) == [0, 2], codes
     line = error_line(setup, f"container{codes.index(2)}.log")
@@ -173,11 +173,13 @@ def test_two_containers_alike_in_worker_id_host_boot_and_pid_one_commits_each_sh
 
 def test_a_long_ttl_holds_against_a_short_one_and_against_a_clock_an_hour_ahead(setup):
     """A holds its streams with --lease-ttl 60 (heartbeat every 10 s) from another pid namespace, one of its
-    commits held for 30 s (a slow write) so that it is still running. A command with --lease-ttl 2, and one
-    whose wall clock runs an hour ahead (libfaketime), watch A's lease for A's 60 s, see it move, and stop
-    (exit 2); neither takes it over, and A finishes alone."""
+    commits held (a slow write) until the others have stopped, so that it is still running. A command with
+    --lease-ttl 2, and one whose wall clock runs an hour ahead (libfaketime), watch A's lease for A's 60 s, see
+    it move, and stop (exit 2); neither takes it over, and A finishes alone."""
     out = str(setup.root / "long-ttl")
-    slow = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1:30"}
+    release = setup.root / "long-ttl.release"
+    slow = {**harvest_env(setup.cache, devices=2), "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1:120",
+            RELEASE_COMMIT: str(release)}
     a = start(setup, out, "--worker-id", "a", "--lease-ttl", "60", log="long-ttl-a.log", prefix=another_vm(),
               env=slow)
     try:
@@ -188,6 +190,7 @@ def test_a_long_ttl_holds_against_a_short_one_and_against_a_clock_an_hour_ahead(
                   start(setup, out, "--worker-id", "c", "--lease-ttl", "2", log="long-ttl-c.log", env=ahead)]
         codes = [t.wait(timeout=120) for t in takers]
         assert a.poll() is None, "A finished before the takers decided: the test proves nothing"
+        release.touch()
         assert codes == [2, 2], (codes, [(setup.root / f"long-ttl-{w}.log").read_text() for w in "bc"])
         for who in "bc":
             assert "moved while this worker watched it" in error_line(setup, f"long-ttl-{who}.log")

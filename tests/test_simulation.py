@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import harvest.storage.storage as storage_module
+import harvest.store.lease as lease_module
 from harvest.errors import UserError
 from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
@@ -76,6 +77,14 @@ class Sim:
         self._at(max(t, self.now), greenlet.getcurrent())
         self.hub.switch()
 
+    def park(self) -> None:
+        """Wait until another greenlet calls wake (or the schedule ends)."""
+        self.waiting[greenlet.getcurrent()] = None
+        self.hub.switch()
+
+    def wake(self, g: greenlet.greenlet, t: float) -> None:
+        self._at(max(t, self.now), g)
+
     def run(self, until: float) -> None:
         while self._queue and self._queue[0][0] <= until:
             t, _, g = heapq.heappop(self._queue)
@@ -111,25 +120,36 @@ class Process:
 
     def resume_at(self, t: float) -> None:
         """Wait until `t`, and past any stall that covers the moment this process would run again."""
+        self.sim.wait_until(self.runs_at(t))
+
+    def runs_at(self, t: float) -> float:
+        """When this process runs again if it is ready at `t`: after any stall that covers `t`."""
         for start, end in self.stalls:
             if start <= t < end:
                 t = end
-        self.sim.wait_until(t)
+        return t
 
 
 class SimLock:
-    """A lock for greenlets of one thread (a threading.Lock held across a switch would block them all)."""
+    """A lock for greenlets of one thread (a threading.Lock held across a switch would block them all): a
+    waiter runs again as soon as the holder releases it (past its process's stalls), as a thread would."""
 
     def __init__(self, process: Process):
         self.process, self.held = process, False
+        self.waiters: list[greenlet.greenlet] = []
 
     def __enter__(self):
         while self.held:
-            self.process.sleep(0.05)
+            self.waiters.append(greenlet.getcurrent())
+            self.process.sim.park()
         self.held = True
 
     def __exit__(self, *exc):
         self.held = False
+        sim = self.process.sim
+        for g in self.waiters:
+            sim.wake(g, self.process.runs_at(sim.now))
+        self.waiters.clear()
 
 
 class Store(Backend):
@@ -423,8 +443,10 @@ JITTER = random.Random()  # Storage's retry jitter, seeded per schedule
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch):
     """Storage logs every retry; millions of them would cost more than the schedules. Its retry jitter comes
-    from JITTER, not the random module, which threads other tests left behind may draw from meanwhile."""
+    from JITTER, not the random module, which threads other tests left behind may draw from meanwhile. The writers
+    carry no process key (see `writer`): the one Leases reads from /proc at its start would be thrown away."""
     monkeypatch.setattr(storage_module, "random", JITTER)
+    monkeypatch.setattr(lease_module, "process_key", lambda pid=None: "")
     logging.disable(logging.CRITICAL)
     yield
     logging.disable(logging.NOTSET)

@@ -19,7 +19,8 @@ import types
 
 import numpy as np
 import pytest
-from extract_helpers import another_vm, committed as committed_of, harvest_cmd, harvest_env, run_harvest, text_streams
+from extract_helpers import (RELEASE_COMMIT, another_vm, committed as committed_of, harvest_cmd, harvest_env,
+                             run_harvest)
 
 import harvest.storage.local as local
 from harvest.errors import UserError
@@ -32,28 +33,20 @@ from harvest.store.listing import read_chain, stream_generation
 from harvest.store.records import Sidecar
 
 TTL = 4
-SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk", "--batch-size", "2",
-            "--shard-size", "160KB")
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """3 streams of a 240-record dataset, the same records in 2 streams, and a reference extraction of the 3."""
+def setup(fault_reference, tmp_path_factory):
+    """The session's 3 streams of a 240-record dataset and its reference extraction (conftest's fault_reference),
+    the same records in 2 streams; this module's runs and logs in a directory of its own."""
+    base = fault_reference
     root = tmp_path_factory.mktemp("holes")
-    checkpoint, env, streams = text_streams(root, 3, n=240)
     two = root / "streams2"
-    made = run_harvest("streams", "create", "--data", str(root / "data.jsonl"), "--num-streams", "2", "--out",
-                       str(two), env=env)
+    made = run_harvest("streams", "create", "--data", str(base.source), "--num-streams", "2", "--out", str(two),
+                       env=harvest_env(base.cache))
     assert made.returncode == 0, made.stderr
-
-    def args(out: str, *extra: str, data=streams) -> list[str]:
-        return ["extract", "--model", str(checkpoint), "--data", str(data), "--out", out, *SETTINGS, *extra]
-
-    reference = str(root / "reference")
-    done = run_harvest(*args(reference), env=env)
-    assert done.returncode == 0, done.stderr
-    return types.SimpleNamespace(root=root, cache=root / "cache", args=args, two=two, reference=reference,
-                                 committed=committed_of(Storage(reference))[0])
+    return types.SimpleNamespace(root=root, cache=base.cache, args=base.args, two=two, reference=base.reference,
+                                 committed=committed_of(Storage(base.reference))[0])
 
 
 def start(setup, out: str, *extra: str, log: str, env: dict | None = None, prefix: tuple[str, ...] = ()
@@ -140,14 +133,14 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
     env = harvest_env(setup.cache)
     a = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "a", "--lease-ttl", str(TTL), log="p-a.log",
               env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3"})
-    b = None
+    b, release = None, setup.root / "partial.release"  # B's shard 3 is held until A has exited
     try:
         wait_until(lambda: state(a.pid) == "T", a, setup.root / "p-a.log")
         a_data = [n for n in Storage(out).listdir(shard_dir(out, 0)) if n.startswith("shard_000003-")]
         assert len(a_data) == 1 and sidecars(out, 0)[-1] == "shard_000002.json"
         b = start(setup, out, "--streams", "0", "--overwrite", "--worker-id", "b", "--lease-ttl", str(TTL),
                   log="p-b.log", prefix=another_vm(),
-                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:20"})
+                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:3:120", RELEASE_COMMIT: str(release)})
         # B wiped stream 0 and committed shards 0-2 anew (under its own attempt), and holds shard 3's commit.
         a_attempt = a_data[0][len("shard_000003-"):-len(".safetensors")]
 
@@ -159,6 +152,7 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
         wait_until(b_committed_three, b, setup.root / "p-b.log")
         os.killpg(a.pid, signal.SIGCONT)
         assert a.wait(timeout=60) == 3, (setup.root / "p-a.log").read_text()
+        release.touch()
         assert b.wait(timeout=120) in (0, 3), (setup.root / "p-b.log").read_text()
     finally:
         kill(a)

@@ -192,12 +192,15 @@ def write_data(storage: Storage, stream: int, file: str, data: bytes | list, gua
 def _test_stop_before_commit(stream: int, shard: int) -> None:
     """Fault injection for tests, after the last lease check and before the commit of one shard:
     HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD stops this process (SIGSTOP), as a stalled VM would;
-    STREAM:SHARD:SECONDS holds just this commit that long (a slow write; the heartbeats go on)."""
+    STREAM:SHARD:SECONDS holds just this commit that long (a slow write; the heartbeats go on), or until the
+    file HARVEST_TEST_RELEASE_COMMIT names exists, where that is set (a test releases it once it saw enough)."""
     spec = os.environ.get("HARVEST_TEST_STOP_BEFORE_COMMIT", "").split(":")
     if spec[:2] != [str(stream), str(shard)]:
         return
     if len(spec) == 3:
-        time.sleep(float(spec[2]))
+        release, until = os.environ.get("HARVEST_TEST_RELEASE_COMMIT"), time.monotonic() + float(spec[2])
+        while time.monotonic() < until and not (release and os.path.exists(release)):
+            time.sleep(min(0.1, max(0.0, until - time.monotonic())))
     else:
         os.kill(os.getpid(), signal.SIGSTOP)
 
