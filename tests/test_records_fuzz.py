@@ -347,12 +347,14 @@ def test_mutated_records_are_skipped_with_their_reason_and_valid_ones_stored(fmt
 
 
 def test_a_kept_tokenizer_encodes_every_text_as_transformers_does(model, tmp_path, monkeypatch):
-    """A text or ARC job after the first encodes with the tokenizer the first one kept (data.tokenizer_cache: no
-    transformers import): the ids transformers gives, with and without special tokens, on every valid fuzzed
-    text and on text transformers' own normalizer changes (not NFC), special tokens written out, nothing."""
+    """A text or ARC job encodes with the tokenizer kept under $HARVEST_CACHE (data.tokenizer_cache: built by a
+    child process the first time, no transformers import in the job): the ids transformers gives, with and
+    without special tokens, on every valid fuzzed text and on text transformers' own normalizer changes (not
+    NFC), special tokens written out, nothing."""
     monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / "cache"))
-    built = load_tokenizer(model)
     kept = load_tokenizer(model, encode_only=True)
+    assert list((tmp_path / "cache" / "tokenizers").glob("*.json")), "the child kept nothing"
+    built = load_tokenizer(model)
     assert type(kept).__name__ == "BackendEncoder" and kept.built_by == type(built).__name__
     texts = [value["text"] for value in valid_lines(generate("text", PER_FORMAT, SEED)).values()]
     texts += ["e\u0301", "A\u030a ﬁ \u2163", "<|endoftext|> and <|im_start|>", "", "  two  spaces\n\ttab"]

@@ -141,8 +141,8 @@ def make_renderer(fmt: str, tokenizer: Any, *, text_field: str = "text", arc: Ar
 
 def load_tokenizer(checkpoint, encode_only: bool = False) -> Any:
     """The checkpoint's own tokenizer (transformers, fast), chat template included. `encode_only`: all the caller
-    does is `tokenizer(texts, add_special_tokens=...)`, which a tokenizer kept by an earlier job does without
-    importing transformers (harvest.data.tokenizer_cache)."""
+    does is `tokenizer(texts, add_special_tokens=...)`, which the tokenizer kept by an earlier job (or built and
+    kept by a child process now) does without importing transformers here (harvest.data.tokenizer_cache)."""
     from pathlib import Path
 
     from harvest.data import tokenizer_cache
@@ -150,7 +150,7 @@ def load_tokenizer(checkpoint, encode_only: bool = False) -> Any:
     path = Path(checkpoint)
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         raise UserError(f"--model {path}: no tokenizer files (tokenizer.json) in the checkpoint directory")
-    if encode_only and (kept := tokenizer_cache.load(path)) is not None:
+    if encode_only and (kept := tokenizer_cache.load(path) or tokenizer_cache.build_apart(path)) is not None:
         return kept
     import os
 

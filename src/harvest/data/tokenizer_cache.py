@@ -7,7 +7,10 @@ transformers' TokenizersBackend classes its Rust backend's `encode_batch` (Token
 truncation, no padding, `encode_special_tokens` set from `split_special_tokens`). So once built, that backend,
 serialized by the tokenizers library itself, is kept under $HARVEST_CACHE/tokenizers, keyed by the checkpoint's
 tokenizer files and the versions of transformers and tokenizers; a later job that only encodes loads it with
-tokenizers alone. A class that encodes another way (its own batch path) is never kept.
+tokenizers alone. A class that encodes another way (its own batch path) is never kept (its record says so).
+
+Where nothing is kept yet, a child process builds and keeps it (`python -m harvest.data.tokenizer_cache DIR`):
+its seconds of imports hold the child's interpreter lock, not that of the job starting beside it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ class KeptTokenizer:
 
     built_by: str  # the transformers class that built the backend
     split_special_tokens: bool
-    backend: str  # tokenizers.Tokenizer.to_str()
+    backend: str  # tokenizers.Tokenizer.to_str(); "" where the class encodes another way (never kept)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -85,14 +90,30 @@ def _path(key: str) -> Path:
 
 
 def load(checkpoint: Path) -> BackendEncoder | None:
-    """The kept encoder of this checkpoint's tokenizer, or None (never kept, or unreadable: built afresh)."""
+    """The kept encoder of this checkpoint's tokenizer, or None (not kept, or unreadable: built afresh)."""
     key = _key(checkpoint)
     if key is None:
         return None
     try:
-        return BackendEncoder(KeptTokenizer.from_json(_path(key).read_text(encoding="utf-8")))
+        kept = KeptTokenizer.from_json(_path(key).read_text(encoding="utf-8"))
+        return BackendEncoder(kept) if kept.backend else None
     except Exception:  # missing, partial or foreign (tokenizers raises its own kind): transformers builds it again
         return None
+
+
+def build_apart(checkpoint: Path) -> BackendEncoder | None:
+    """Build and keep the tokenizer in a child process, then load what it kept; None where nothing could be kept
+    (a class that encodes another way, a tokenizer that does not load, a cache that cannot be written): the
+    caller then builds it itself, and says what is wrong. Asked once per tokenizer: a record, kept or not, stands."""
+    key = _key(checkpoint)
+    if key is None or _path(key).exists():
+        return load(checkpoint)
+    try:
+        subprocess.run([sys.executable, "-m", __name__, str(checkpoint)], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return load(checkpoint)
 
 
 def keep(checkpoint: Path, tokenizer: Any) -> None:
@@ -100,17 +121,18 @@ def keep(checkpoint: Path, tokenizer: Any) -> None:
     alone; best effort: a cache that cannot be written costs the next job its ~2 s, nothing else."""
     from transformers import TokenizersBackend
 
-    cls = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend) or any(
-            getattr(cls, name) is not getattr(TokenizersBackend, name) for name in ("__call__", "_encode_plus")):
-        return
     key = _key(checkpoint)
     if key is None or _path(key).exists():
         return
-    backend = tokenizer.backend_tokenizer
-    backend.no_truncation()  # as _encode_plus sets it for a call without truncation or padding
-    backend.no_padding()
-    kept = KeptTokenizer(cls.__name__, bool(tokenizer.split_special_tokens), backend.to_str())
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or any(
+            getattr(cls, name) is not getattr(TokenizersBackend, name) for name in ("__call__", "_encode_plus")):
+        kept = KeptTokenizer(cls.__name__, False, "")
+    else:
+        backend = tokenizer.backend_tokenizer
+        backend.no_truncation()  # as _encode_plus sets it for a call without truncation or padding
+        backend.no_padding()
+        kept = KeptTokenizer(cls.__name__, bool(tokenizer.split_special_tokens), backend.to_str())
     path = _path(key)
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -121,3 +143,9 @@ def keep(checkpoint: Path, tokenizer: Any) -> None:
     except OSError:
         if "temp" in locals():
             temp.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # build_apart's child: transformers builds the tokenizer, load_tokenizer keeps it
+    from harvest.data.prompts import load_tokenizer
+
+    load_tokenizer(sys.argv[1])

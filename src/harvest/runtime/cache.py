@@ -15,8 +15,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import jax
-
 COMPILED_MAX_BYTES = 4 * 2**30  # beyond this, JAX drops the least recently used programs
 
 
@@ -28,6 +26,8 @@ def keep_compiled(enabled: bool = True) -> None:
     """Keep compiled programs in root()/jax, unless $JAX_COMPILATION_CACHE_DIR names another place; call it
     before the first compile (JAX opens its cache once per process). JAX runs what it loads from there, so the
     directory is made for this user only."""
+    import jax
+
     if not enabled:
         jax.config.update("jax_enable_compilation_cache", False)
         return
