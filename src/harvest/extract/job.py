@@ -86,8 +86,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     chosen = _chosen_streams(cfg, data.num_streams)
     # The implementation run, in run.json's config and agreed by every process (all compile one program); not an
     # output setting: another kernel rounds differently, no more, so a resume may use another.
+    # The host's cores as one slot choose as one device would (blocks), each running it on its own rows.
     cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, model.sliding_windows, cfg.max_seq_len,
-                                                               mesh))
+                                                               None if one_slot else mesh))
     run_info = build_run_info(cfg, model, plan, checkpoint, data, compute_dtype)
     distributed.agree({**agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,
                        "attention": cfg.attention,

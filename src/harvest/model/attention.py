@@ -17,8 +17,9 @@ segment, inside its layer's sliding window when it has one. Padding sees earlier
               its kv head (GQA: k/v are never repeated); the backward repeats them (see _gqa_backward).
               Tiles per head size and row length (pallas_blocks). No sliding window (a window shorter
               than the row is refused).
-  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it); on CPU blocks for
-              extraction and dense for training.
+  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it), blocks on a
+              one-device CPU mesh for extraction (and on the host's cores as one slot, which extraction resolves
+              as one device), else dense on CPU.
 
 The two kernels run compiled on their own backend and in Pallas interpret mode anywhere else
 (interpret = backend != theirs): slow, but the same program, which is how the tests check them on CPU.
@@ -69,7 +70,7 @@ def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backw
         if backend in KERNEL_BACKEND.values():
             kind = "pallas-gpu" if backend == "gpu" else "splash"
             return "dense" if kind == "pallas-gpu" and windowed else kind
-        return "dense" if backward else "blocks"
+        return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
     if kind == "blocks" and backward:
         raise AttentionError("--attention blocks: its loop runs over each batch's real block pairs, a count known "
                              "only at run time, which has no backward pass; train with --attention dense (or auto)")

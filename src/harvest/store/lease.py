@@ -150,15 +150,21 @@ class Leases:
         """Take every stream's lease, or none: on a refusal, release what was taken and raise.
 
         Leases held by others are watched together (not one TTL after another): each is taken once it stayed
-        unchanged for its holder's TTL; the first one seen to move refuses the whole command."""
+        unchanged for its holder's TTL; the first one seen to move refuses the whole command. Streams are taken
+        in one order everywhere, and none past one found held (those are only looked at), so that of two
+        workers racing for the same streams one gets them all: they cannot split them and each wait, without
+        heartbeats, for the other's half to go stale."""
         try:
-            watched: dict[int, _Watched] = {}
-            for stream in sorted(streams):  # one order everywhere: of two racing workers, one gets them all
-                seen = self._try_take(stream, None)
-                if seen is not None:
-                    watched[stream] = seen
-            if watched:
-                self._wait_out(watched)
+            pending = sorted(streams)
+            while pending:
+                watched: dict[int, _Watched] = {}
+                for stream in pending:
+                    seen = self._held_by_other(stream) if watched else self._try_take(stream, None)
+                    if seen is not None:
+                        watched[stream] = seen
+                if watched:
+                    self._wait_out(watched)
+                pending = [s for s in pending if s not in self._held]
         except BaseException:
             self.release_all()
             raise
@@ -186,6 +192,21 @@ class Leases:
                            ttl_s=self.ttl_s, host=self.host, pid=self.pid, process=self.process, released=released,
                            generation=like.generation if like else "", ended=list(like.ended) if like else [])
 
+    def _held_by_other(self, stream: int) -> _Watched | None:
+        """What is watched of the lease from now on where another worker holds it; None where it is free."""
+        current = self.storage.read_versioned(fmt.lease_path(stream))
+        if current is None:
+            return None
+        held = _parse(current, self.storage.url_of(fmt.lease_path(stream)))
+        if held.holder == self.id or not self._live(held):
+            return None
+        return _Watched(held, current.token, self.clock.monotonic())
+
+    def _live(self, held: LeaseRecord) -> bool:
+        """Held, as far as this worker can tell (not released, not a holder of its own host proven dead)."""
+        dead = not held.released and held.worker == self.worker and holder_alive(held) is False
+        return not (held.released or dead)
+
     def _try_take(self, stream: int, watched: _Watched | None) -> _Watched | None:
         """Take the lease if it may be taken now (None); else what is watched of it from now on. Raises
         LeaseHeld when the watched lease moved: its holder is alive."""
@@ -205,8 +226,7 @@ class Leases:
                 self._held[stream] = _Held(held, current.token, first_sent or self.clock.monotonic())
                 return None
             now = self.clock.monotonic()
-            dead = not held.released and held.worker == self.worker and holder_alive(held) is False
-            if not (held.released or dead):
+            if self._live(held):
                 if watched is None or first_sent is not None:
                     return _Watched(held, current.token, now)
                 if current.token != watched.token:
