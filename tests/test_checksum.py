@@ -7,28 +7,17 @@ from __future__ import annotations
 import hashlib
 import json
 
-import ml_dtypes
-import numpy as np
 import pytest
 import xxhash
+from shard_helpers import closed_shard
 
 from harvest.storage import Storage
-from harvest.store.commit import ClosedShard, Committer
+from harvest.store.commit import Committer
 from harvest.store.listing import CorruptShardError, read_chain
 from harvest.store.records import Sidecar
 from harvest.store.snapshot import read_shard, shard_path
 
 HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
-
-def closed_shard(shard: int = 0) -> ClosedShard:
-    rng = np.random.default_rng(shard)
-    blocks = [rng.normal(size=(n, 8)).astype(ml_dtypes.bfloat16) for n in (3, 5)]  # two pieces, as captured
-    return ClosedShard(stream=0, shard=shard, tensors={"resid_post.1": blocks, "mlp_out.0": [b[:, :4] for b in blocks]},
-                       tokens=np.arange(8, dtype=np.int32), lengths=np.array([3, 5]), sample_ids=np.array([0, 2]),
-                       variants=np.zeros(2, np.int32), start=(0, 0), next=(2, 0), row_start=(2, 0), skipped=[],
-                       long={}, final=True, records=2, moments={name: ([None, None], [None, None])
-                                                                for name in ("resid_post.1", "mlp_out.0")})
 
 
 def committed(tmp_path, checksum: str | None) -> tuple[Storage, Sidecar, bytes]:

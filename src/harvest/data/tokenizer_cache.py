@@ -1,8 +1,8 @@
 """A checkpoint's tokenizer as transformers builds it, kept for the next job that only encodes text.
 
 transformers builds a checkpoint's tokenizer from its model type and files (for qwen2 a Qwen2Tokenizer with its
-own normalizer and split, not tokenizer.json as it stands), and building it imports transformers and torch: ~2 s
-of CPU at every start. What a text or ARC job then calls, `tokenizer(texts, add_special_tokens=...)`, is for
+own normalizer and split, not tokenizer.json as it stands), and building it imports transformers (and torch,
+where installed): ~2.5 s of CPU at every start. What a text or ARC job then calls, `tokenizer(texts, add_special_tokens=...)`, is for
 transformers' TokenizersBackend classes its Rust backend's `encode_batch` (TokenizersBackend._encode_plus, no
 truncation, no padding, `encode_special_tokens` set from `split_special_tokens`). So once built, that backend,
 serialized by the tokenizers library itself, is kept under $HARVEST_CACHE/tokenizers, keyed by the checkpoint's
@@ -146,6 +146,9 @@ def keep(checkpoint: Path, tokenizer: Any) -> None:
 
 
 if __name__ == "__main__":  # build_apart's child: transformers builds the tokenizer, load_tokenizer keeps it
+    # Without torch: building a tokenizer never needs it, and transformers would import it (~1 s of CPU) only
+    # because it is installed. A None entry makes `import torch` fail and transformers find no torch.
+    sys.modules["torch"] = None  # type: ignore[assignment]
     from harvest.data.prompts import load_tokenizer
 
     load_tokenizer(sys.argv[1])

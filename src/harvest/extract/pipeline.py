@@ -31,6 +31,7 @@ from harvest.store import format as fmt
 from harvest.store.commit import Committer
 
 QUEUE_DEPTH = 2
+HOST_STOP_S = 10.0  # how long a failing run waits for the host thread to hand over its last shard
 log = logging.getLogger("harvest")
 
 
@@ -54,18 +55,33 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     feeder = Stage(lambda: feed(todo, stream_rows, slot_rows or batch_size, shape, batches, failure, halt,
                                 first=lambda: startup.span("rows", rows_start)), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
-    if compiled is not None:
-        compiled.result()  # while the feeder makes the first rows
-    local_done = stopped = False
+    try:
+        if compiled is not None:
+            compiled.result()  # while the feeder makes the first rows
+        stopped = _steps(decoder, batches, captured, idle, writers, failure, stop, startup)
+        halt.set()
+        put(captured, None, failure)
+        host.join(failure)
+        feeder.join(failure)
+        committer.close()
+    except BaseException as error:
+        _abandon(error, failure, halt, host, committer)
+        raise
+    return stopped
+
+
+def _steps(decoder: Decoder, batches: queue.Queue, captured: queue.Queue, idle: Batch, writers: dict,
+           failure: list[BaseException], stop: Callable[[], bool], startup: Startup) -> bool:
+    """The forward loop: batches in, captures (their copies to host started) out; whether it stopped early."""
+    local_done = False
     while True:
         if distributed.any_true(stop()):
-            stopped = True
-            break
+            return True
         batch = None if local_done else get(batches, failure)
         local_done = batch is None
         # Every process runs every step (the model may span hosts); the run ends on all of them together.
         if not distributed.any_true(not local_done):
-            break
+            return False
         outputs = decoder.step((batch or idle).tokens, (batch or idle).segments)
         if batch is not None and startup.batch_started():
             log.info(startup.line())
@@ -74,12 +90,17 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
                 for shard in local_blocks(array):
                     shard.data.copy_to_host_async()
             put(captured, (batch, *outputs), failure)
+
+
+def _abandon(error: BaseException, failure: list[BaseException], halt: threading.Event, host: Stage,
+             committer: Committer) -> None:
+    """A failing run stops every stage and leaves none of its data objects behind: the host thread stops
+    submitting (it sees the failure), then the Committer ends its commit in flight and deletes the rest."""
+    if not failure:
+        failure.append(error)
     halt.set()
-    put(captured, None, failure)
-    host.join(failure)
-    feeder.join(failure)
-    committer.close()
-    return stopped
+    host.join(timeout=HOST_STOP_S)
+    committer.abort()
 
 
 @dataclasses.dataclass
@@ -115,8 +136,8 @@ class Stage(threading.Thread):
         except BaseException as e:
             self._failure.append(e)
 
-    def join(self, failure=None) -> None:  # type: ignore[override]
-        super().join()
+    def join(self, failure=None, timeout: float | None = None) -> None:  # type: ignore[override]
+        super().join(timeout)
         if failure:
             raise failure[0]
 

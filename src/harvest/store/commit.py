@@ -49,6 +49,9 @@ from harvest.store.records import Sidecar
 from harvest.store.stats import RunningStats
 
 
+ABORT_WAIT_S = 30.0  # how long a failing run waits for its commit in flight and its discards (Committer.abort)
+
+
 class CommitLost(FencedOut):
     """Another writer committed this shard first (exit 3): this one stops writing the stream."""
 
@@ -167,18 +170,27 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
     committed the shard first (this one's object is deleted)."""
     if data is not None:
         write_data(storage, sidecar.stream, sidecar.file, data, guard, sidecar.generation)
-    guard(sidecar.stream)
+    try:
+        guard(sidecar.stream)
+    except BaseException:
+        _delete_uncommitted(storage, sidecar)  # never to be committed: the lease is lost
+        raise
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
     if storage.create_exclusive(fmt.sidecar_path(sidecar.stream, sidecar.shard, sidecar.generation),
                                 sidecar.to_bytes()):
         return
+    _delete_uncommitted(storage, sidecar)
+    raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
+                     "that took the stream over, or one that lost it and had not stopped yet); this worker stopped "
+                     "writing the stream and its copy was not committed")
+
+
+def _delete_uncommitted(storage: Storage, sidecar: Sidecar) -> None:
+    """Delete the data object of a commit known not to have happened (this attempt's name: no one else's)."""
     try:
         storage.delete(fmt.data_path(sidecar.stream, sidecar.file, sidecar.generation))
     except UserError:
         pass  # a leftover: the stream's next holder deletes it
-    raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
-                     "that took the stream over, or one that lost it and had not stopped yet); this worker stopped "
-                     "writing the stream and its copy was not committed")
 
 
 def write_data(storage: Storage, stream: int, file: str, data: bytes | list, guard: Callable[[int], None],
@@ -238,24 +250,36 @@ class Committer:
         self.generation = generation or (lambda stream: "")
         self.on_lost = on_lost or (lambda stream, error: None)
         self.failure: BaseException | None = None
+        self._aborted = False  # abort(): nothing more is queued or committed
+        self._queueing = threading.Lock()  # a shard is queued entirely before or after abort() begins
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
                          for i, q in enumerate(self._queues)]
         for thread in self._threads:
             thread.start()
+
     def submit(self, shard: ClosedShard) -> None:
         """Starts the shard's checksums, stats and data write at once, so that a stream's next shards are hashed
         and written while this one commits (sidecars are created one after another; the rest need not be).
-        Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped."""
+        Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped. A shard
+        that will not be committed (the run failing or aborted) has its data object deleted."""
         q = self._queues[shard.stream % len(self._queues)]
         encoded = self._encode(shard)
-        while True:
-            self.check()
-            try:
-                q.put(encoded, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+        try:
+            while True:
+                self.check()
+                with self._queueing:
+                    if self._aborted:
+                        break
+                    try:
+                        q.put(encoded, timeout=0.5)
+                        return
+                    except queue.Full:
+                        continue
+        except BaseException:
+            self._discard(encoded)
+            raise
+        self._discard(encoded)
 
     def check(self) -> None:
         if self.failure is not None:
@@ -271,9 +295,24 @@ class Committer:
         self._writes.shutdown()
         self.check()
 
+    def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
+        """The run is failing: commit nothing more, and leave none of this writer's data objects behind. The
+        commit in flight ends as commits do (its sidecar created, or its object deleted); the shards queued or
+        being submitted are discarded, their objects deleted once written. A stream's next holder would sweep
+        such objects, but a stream already complete has none. Waits at most `wait_s` for storage; what is
+        still in flight then is left to the sweeps."""
+        with self._queueing:
+            self._aborted = True
+        deadline = time.monotonic() + wait_s
+        for q in self._queues:
+            with contextlib.suppress(queue.Full):
+                q.put(None, timeout=max(0.0, deadline - time.monotonic()))
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
     def _run(self, q: queue.Queue) -> None:
         while (encoded := q.get()) is not None:
-            if self.failure is not None:  # drain: the run is failing, the main thread will raise
+            if self.failure is not None or self._aborted:  # drain: the run is failing, the main thread will raise
                 self._discard(encoded)
                 continue
             try:
