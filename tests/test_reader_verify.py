@@ -17,8 +17,9 @@ import pytest
 from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
 from harvest.read import open_run
+from harvest.store.listing import read_chain
 from harvest.store.records import Sidecar
-from harvest.store.report import inspect, status_rows, status_table, watch
+from harvest.store.report import human_bytes, inspect, status_rows, status_table, watch
 from harvest.store.stats import RunningStats
 from harvest.store.verify import verify
 
@@ -387,7 +388,14 @@ def test_status_of_a_run_in_progress(run):
     rows = status_rows(run.url)
     assert rows[0]["state"] == "running" and rows[0]["rate"] == 1234.0
     assert rows[0]["shards"] == len(run.shards[0]) - 1
-    assert "1.2K" in _render(status_table(run.url))
+    # what storage absorbs: the rate at the bytes per token of the stream's committed data objects
+    chain = read_chain(run.storage, 0)
+    stored = sum(len(run.storage.read_bytes(f"{fmt.stream_dir(0)}/{sidecar.file}")) for sidecar in chain)
+    assert rows[0]["bytes"] == stored
+    assert rows[0]["byte_rate"] == pytest.approx(1234.0 * stored / sum(sidecar.tokens for sidecar in chain))
+    assert rows[1]["byte_rate"] == 0.0  # done: nothing written now
+    text = _render(status_table(run.url))
+    assert "1.2K" in text and human_bytes(rows[0]["byte_rate"]) in text and human_bytes(stored) in text
 
 
 def test_a_run_that_has_not_started(tmp_path):

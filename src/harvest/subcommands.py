@@ -103,9 +103,12 @@ def sae(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict) -> None:
+    from harvest.store.report import human_bytes
+
     print(f"wrote {summary['out']}: {summary['samples']} samples, {summary['tokens']} tokens in "
           f"{summary['streams']} streams; this run {summary['tokens_this_run']} tokens in {summary['seconds']}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s, packing efficiency {summary['packing_efficiency']:.1%}, "
+          f"({summary['tokens_per_s']:,.0f} tokens/s, {human_bytes(summary['bytes_per_s'])}/s stored, "
+          f"packing efficiency {summary['packing_efficiency']:.1%}, "
           f"{summary['shards_written']} shards)")
     print(f"devices: {summary['devices']}")
     print(summary["startup"])
@@ -126,8 +129,6 @@ def streams_create(args: argparse.Namespace) -> int:
 
 
 def status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from harvest.store import report
     from harvest.train import status as training
 
@@ -135,7 +136,7 @@ def status(args: argparse.Namespace) -> int:
     if args.watch:
         (report if table is None else training).watch(args.url, args.interval)
     else:
-        Console().print(report.status_table(args.url) if table is None else table)
+        _console().print(report.status_table(args.url) if table is None else table)
     return 0
 
 
@@ -150,26 +151,22 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from harvest.store import report
 
-    console = Console()
+    console = _console()
     for renderable in report.inspect(args.url):
         console.print(renderable)
     return 0
 
 
 def fleet(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from harvest.fleet import launch, status
     from harvest.fleet.plan import emit, make_plan, plan_table
     from harvest.fleet.sky import SkyJobs
     from harvest.fleet.spec import load_fleet
 
     plan = make_plan(load_fleet(args.fleet))
-    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe or a log gets whole URLs
+    console = _console()
     if args.fleet_command == "plan":
         console.print(plan_table(plan))
         if args.emit:
@@ -192,3 +189,11 @@ def demo(args: argparse.Namespace) -> int:
     from harvest.demo import run_demo
 
     return run_demo(args)
+
+
+def _console():
+    """rich's console for tables: a terminal's width, or 200 columns for a pipe or a log (rich would take 80 and
+    fold every cell, URLs and counts included)."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)

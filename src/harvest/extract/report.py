@@ -41,6 +41,7 @@ class Progress:
         # What the committed shards hold, per stream: [records, samples, tokens] (the summary's totals).
         self.committed_totals = {s: [resume[s].next[0], resume[s].samples, resume[s].tokens] for s in totals}
         self.tokens_committed = 0  # committed by this process
+        self.bytes_committed = 0  # the data objects of those shards
         self.session_tokens = 0  # computed in this process, for the rate
         self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
         self.long: Counter = Counter()
@@ -63,6 +64,7 @@ class Progress:
             totals[:] = [manifest.records if manifest.final else manifest.next[0], totals[1] + manifest.samples,
                          totals[2] + manifest.tokens]
             self.tokens_committed += manifest.tokens
+            self.bytes_committed += manifest.bytes
             self.long.update(manifest.long)
             self.skipped.extend(manifest.skipped)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
@@ -138,6 +140,7 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         "tokens_this_run": progress.tokens_committed,
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
+        "bytes_per_s": round(progress.bytes_committed / max(elapsed, 1e-9), 1),  # what storage absorbed
         "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots
         "shards_written": progress.shards,
         "truncated": progress.long["truncated"],

@@ -112,12 +112,14 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
         state = "stale"
     else:
         state = "running"
+    tokens, stored = sum(sc.tokens for sc in committed), sum(sc.bytes for sc in committed)
+    rate = progress.tokens_per_s if progress and state == "running" else 0.0
     return {
         "stream": s, "state": state, "records": records, "total": total,
-        "samples": sum(sc.samples for sc in committed),
-        "tokens": sum(sc.tokens for sc in committed),
-        "shards": len(committed), "bytes": sum(sc.bytes for sc in committed),
-        "rate": progress.tokens_per_s if progress and state == "running" else 0.0,
+        "samples": sum(sc.samples for sc in committed), "tokens": tokens, "shards": len(committed),
+        "bytes": stored, "rate": rate,
+        # what storage absorbs: the rate at the bytes per token its committed shards hold (0 before the first)
+        "byte_rate": rate * stored / tokens if tokens else 0.0,
         "worker": progress.worker if progress else "-", "age": age,
     }
 
@@ -133,7 +135,7 @@ def _records_cell(records: int, total: int | None) -> str:
 
 def status_rows(url: str | Storage | RunScanner, now: datetime | None = None) -> list[dict[str, Any]]:
     """Per-stream status as plain dicts (stream, state, records, total, samples, tokens, shards, bytes,
-    rate, worker, age)."""
+    rate (tokens/s), byte_rate (bytes/s), worker, age)."""
     scanner = url if isinstance(url, RunScanner) else RunScanner(url)
     now = now or datetime.now(timezone.utc)
     return [_row(scanner.info, scanned, now) for scanned in scanner.scan()]
@@ -148,8 +150,8 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
     done = sum(r["state"] == "done" for r in rows)
     table = Table(title=f"{scanner.storage.url}: {done}/{len(rows)} streams done", title_justify="left")
     for name, justify in [("stream", "right"), ("state", "left"), ("records", "right"), ("samples", "right"),
-                          ("tokens", "right"), ("shards", "right"), ("tokens/s", "right"), ("worker", "left"),
-                          ("updated", "right")]:
+                          ("tokens", "right"), ("shards", "right"), ("stored", "right"), ("tokens/s", "right"),
+                          ("bytes/s", "right"), ("worker", "left"), ("updated", "right")]:
         table.add_column(name, justify=justify)
     shown = rows
     if max_rows is not None and len(rows) > max_rows:
@@ -159,19 +161,21 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
     for r in shown:
         table.add_row(str(r["stream"]), Text(r["state"], style=_STYLE[r["state"]]),
                       _records_cell(r["records"], r["total"]),
-                      human_count(r["samples"]), human_count(r["tokens"]), str(r["shards"]),
-                      human_count(r["rate"]) if r["rate"] else "-", str(r["worker"]), human_age(r["age"]))
+                      human_count(r["samples"]), human_count(r["tokens"]), str(r["shards"]), human_bytes(r["bytes"]),
+                      human_count(r["rate"]) if r["rate"] else "-",
+                      human_bytes(r["byte_rate"]) if r["byte_rate"] else "-", str(r["worker"]), human_age(r["age"]))
     if len(shown) < len(rows):
         hidden = [r for r in rows if r not in shown]
-        table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "",
+        table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "", "", "",
                       f"{sum(r['state'] == 'done' for r in hidden)} of them done")
     totals = [r["total"] for r in rows]
     total = sum(totals) if all(t is not None for t in totals) else None
     ages = [r["age"] for r in rows if r["age"] is not None]
     table.add_row("total", Text(f"{done}/{len(rows)} done"), _records_cell(sum(r["records"] for r in rows), total),
                   human_count(sum(r["samples"] for r in rows)), human_count(sum(r["tokens"] for r in rows)),
-                  str(sum(r["shards"] for r in rows)),
+                  str(sum(r["shards"] for r in rows)), human_bytes(sum(r["bytes"] for r in rows)),
                   human_count(sum(r["rate"] for r in rows)) if any(r["rate"] for r in rows) else "-",
+                  human_bytes(sum(r["byte_rate"] for r in rows)) if any(r["byte_rate"] for r in rows) else "-",
                   f"{len({r['worker'] for r in rows if r['state'] == 'running'})} running",
                   human_age(min(ages) if ages else None), style="bold", end_section=True)
     committed = Snapshot(scanner.storage.url, scanner.info, tuple(scanner.committed()))
