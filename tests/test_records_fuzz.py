@@ -364,6 +364,24 @@ def test_a_kept_tokenizer_encodes_every_text_as_transformers_does(model, tmp_pat
     assert type(load_tokenizer(model)).__name__ == type(built).__name__  # a chat job still gets transformers'
 
 
+def test_a_cache_that_cannot_be_written_costs_no_child(model, tmp_path, monkeypatch):
+    """$HARVEST_CACHE unwritable (here: under a regular file): the job builds the tokenizer itself, once,
+    without first starting a child whose work could not be kept."""
+    from harvest.data import tokenizer_cache
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HARVEST_CACHE", str(tmp_path / "file" / "cache"))
+
+    def no_child(*args, **kwargs):
+        raise AssertionError(f"a child was started: {args}")
+
+    monkeypatch.setattr(tokenizer_cache.subprocess, "run", no_child)
+    tokenizer = load_tokenizer(model, encode_only=True)
+    assert type(tokenizer).__name__ != "BackendEncoder"
+    assert tokenizer(["a b"], add_special_tokens=False)["input_ids"] == \
+        load_tokenizer(model)(["a b"], add_special_tokens=False)["input_ids"]
+
+
 def events_of(fmt, data, tokenizer, strict):
     render = make_renderer(fmt, tokenizer)
     return stream_pieces(iter_records(data), render, encoder(tokenizer, fmt), first_index=0,

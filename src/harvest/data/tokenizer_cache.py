@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -108,6 +109,12 @@ def build_apart(checkpoint: Path) -> BackendEncoder | None:
     key = _key(checkpoint)
     if key is None or _path(key).exists():
         return load(checkpoint)
+    try:  # a child whose record could not be kept would only add its seconds to the caller's own build
+        _path(key).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(_path(key).parent, os.W_OK):
+        return None
     try:
         subprocess.run([sys.executable, "-m", __name__, str(checkpoint)], stdin=subprocess.DEVNULL,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300, check=False)
