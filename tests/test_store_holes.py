@@ -31,6 +31,7 @@ from harvest.store.format import sidecar_name
 from harvest.store.lease import Leases
 from harvest.store.listing import read_chain, stream_generation
 from harvest.store.records import Sidecar
+from harvest.store.verify import ended_files
 
 TTL = 4
 
@@ -220,6 +221,10 @@ def test_a_writer_stalled_across_a_sweep_and_a_wipe_commits_nothing_a_reader_rea
     assert [sc.file.split("-")[1][:16] for sc in chain] == [z.id[:16]] * 2 and x.id != z.id
     for sc in chain:
         assert sc.mismatch(st.read_bytes(fmt.data_path(0, sc.file, sc.generation))) is None
+    # harvest verify lists what the ended generation still holds: W's late sidecar, nothing else
+    generation = stream_generation(st, 0)
+    assert ended_files(st, 0, generation, st.listdir(fmt.shard_dir(0, generation))) == [
+        f"stream_00000/{sidecar_name(0)}"]
 
 
 # --- 3: a zombie counts as dead ---------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ ends with a summary line. A run passes when the list is empty (the CLI exits 0, 
 - no stream directory outside those streams; in a stream directory only data objects
   (shard_NNNNNN-ATTEMPT.safetensors), sidecars (shard_NNNNNN.json), progress.json and lease.json; every
   sidecar's data object is there. Data objects no sidecar names (a writer that lost the stream, or was
-  killed before its commit) are leftovers, listed in the report but not problems;
+  killed before its commit) are leftovers, listed in the report but not problems; so are the files of a
+  stream's ended generations (harvest.store.commit: a writer stalled across an --overwrite lands there);
 - each sidecar parses, names its own stream/shard and a data object of its shard, and the shards of a
   stream are numbered 0, 1, 2, ...
   with contiguous ranges: the first starts at [0, 0] and each `start` is the previous `next`;
@@ -55,6 +56,7 @@ class Report(Totals):
     problems: list[str] = dataclasses.field(default_factory=list)
     streams: int = 0
     leftovers: list[str] = dataclasses.field(default_factory=list)  # data objects no sidecar names
+    ended: list[str] = dataclasses.field(default_factory=list)  # what ended generations still hold
 
     @property
     def ok(self) -> bool:
@@ -64,19 +66,28 @@ class Report(Totals):
     def summary(self) -> str:
         what = (f"{self.streams} streams, {self.records:,} records, {self.shards} shards, {self.samples:,} samples, "
                 f"{self.tokens:,} tokens, {human_bytes(self.bytes)}, {self.skipped} skipped"
-                + (f", {len(self.leftovers)} uncommitted leftovers" if self.leftovers else ""))
+                + (f", {len(self.leftovers)} uncommitted leftovers" if self.leftovers else "")
+                + (f", {len(self.ended)} files of ended generations" if self.ended else ""))
         if self.ok:
             return f"OK {self.url}: {what}"
         return f"FAILED {self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)} ({what})"
 
     def lines(self) -> list[str]:
-        kept = [f"{self.url}/{rel}: leftover, committed by no sidecar (deleted by the stream's next writer)"
-                for rel in self.leftovers[:5]]
-        more = [f"... and {len(self.leftovers) - 5} more leftovers"] if len(self.leftovers) > 5 else []
-        return [*self.problems, *kept, *more, self.summary]
+        return [*self.problems,
+                *_first(self.url, self.leftovers, "leftover, committed by no sidecar (deleted by the stream's next "
+                                                  "writer)", "leftovers"),
+                *_first(self.url, self.ended, "in an ended generation, read by nothing (a writer stalled across "
+                                              "an --overwrite; the stream's next --overwrite deletes it)",
+                        "files of ended generations"),
+                self.summary]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _first(url: str, rels: list[str], what: str, plural: str, shown: int = 5) -> list[str]:
+    more = [f"... and {len(rels) - shown} more {plural}"] if len(rels) > shown else []
+    return [f"{url}/{rel}: {what}" for rel in rels[:shown]] + more
 
 
 def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None) -> Report:
@@ -105,6 +116,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
                       for k in listing[s][0] if sidecars[(s, k)] is not None]
             named = {sh.sidecar.file for sh in shards}
             report.leftovers += [fmt.data_path(s, name, listing[s][2]) for name in listing[s][1] if name not in named]
+            report.ended += listing[s][3]
             check_stream(info, s, shards, problems, report)
     report.problems = problems.lines(storage.url)
     return report
@@ -164,13 +176,14 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     return typed
 
 
-def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str], str]:
-    """The shard numbers that have a sidecar in the stream's current generation, the data objects there, and the
-    generation; reports unknown files (what ended generations left is not checked)."""
+def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str], str, list[str]]:
+    """The shard numbers that have a sidecar in the stream's current generation, the data objects there, the
+    generation, and the files ended generations still hold; reports unknown files in the current one."""
     generation = stream_generation(storage, s)
     sdir = fmt.shard_dir(s, generation)
     sidecars, files = [], set()
-    for name in storage.listdir(sdir):
+    names = storage.listdir(sdir)
+    for name in names:
         if (k := fmt.sidecar_shard(name)) is not None:
             sidecars.append(k)
         elif fmt.data_file_shard(name) is not None:
@@ -178,7 +191,21 @@ def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int]
         elif name not in fmt.STREAM_FILES and fmt.dir_generation(name) is None:
             problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
                                            "progress.json or lease.json)")
-    return sorted(sidecars), files, generation
+    return sorted(sidecars), files, generation, ended_files(storage, s, generation, names)
+
+
+def ended_files(storage: Storage, s: int, generation: str, listed: list[str]) -> list[str]:
+    """The files of the stream's ended generations (`listed`: the current generation's directory): what a writer
+    stalled across a wipe landed after it. No reader reads them; a later wipe deletes them."""
+    top = listed if generation == "" else storage.listdir(fmt.stream_dir(s))
+    ended = [] if generation == "" else [
+        f"{fmt.stream_dir(s)}/{name}" for name in top
+        if fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None]
+    for name in top:
+        old = fmt.dir_generation(name)
+        if old is not None and old != generation:
+            ended += [f"{fmt.shard_dir(s, old)}/{child}" for child in storage.listdir(fmt.shard_dir(s, old))]
+    return ended
 
 
 def checked_sidecar(storage: Storage, s: int, k: int, problems: Problems, generation: str) -> Sidecar | None:
