@@ -142,7 +142,8 @@ def is_complete(out: Path, num_streams: int) -> bool:
 def kill_at_random(cmd: list[str], env: dict[str, str], out: Path, rng: random.Random, log: Path,
                    timeout: float = 120) -> dict:
     """Start `cmd`, SIGKILL it at a moment drawn from `rng`: after 1-12 more shards committed (plus up to
-    0.2 s), or after a plain delay that may land in start-up. Returns what happened."""
+    0.2 s), or after a plain delay of 0.5-3 s that may land in start-up (a job starts in ~1-2 s here: a longer
+    delay could let it commit most of a small run). Returns what happened."""
     before = count_sidecars(out)
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -155,7 +156,7 @@ def kill_at_random(cmd: list[str], env: dict[str, str], out: Path, rng: random.R
     else:
         mode, target = "delay", None
         try:
-            proc.wait(timeout=rng.uniform(1.0, 10.0))
+            proc.wait(timeout=rng.uniform(0.5, 3.0))
         except subprocess.TimeoutExpired:
             pass
     alive = proc.poll() is None

@@ -31,7 +31,6 @@ from harvest.store import format as fmt
 from harvest.store.commit import Committer
 
 QUEUE_DEPTH = 2
-HOST_STOP_S = 10.0  # how long a failing run waits for the host thread to hand over its last shard
 log = logging.getLogger("harvest")
 
 
@@ -65,7 +64,7 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
         feeder.join(failure)
         committer.close()
     except BaseException as error:
-        _abandon(error, failure, halt, host, committer)
+        _abandon(error, failure, halt, committer)
         raise
     return stopped
 
@@ -92,14 +91,14 @@ def _steps(decoder: Decoder, batches: queue.Queue, captured: queue.Queue, idle: 
             put(captured, (batch, *outputs), failure)
 
 
-def _abandon(error: BaseException, failure: list[BaseException], halt: threading.Event, host: Stage,
+def _abandon(error: BaseException, failure: list[BaseException], halt: threading.Event,
              committer: Committer) -> None:
-    """A failing run stops every stage and leaves none of its data objects behind: the host thread stops
-    submitting (it sees the failure), then the Committer ends its commit in flight and deletes the rest."""
+    """A failing run stops every stage (each sees the failure) and leaves none of its data objects behind: the
+    Committer ends its commit in flight and deletes the rest. The host thread is not waited for: it may be
+    blocked on a device whose peer died."""
     if not failure:
         failure.append(error)
     halt.set()
-    host.join(timeout=HOST_STOP_S)
     committer.abort()
 
 
@@ -136,8 +135,8 @@ class Stage(threading.Thread):
         except BaseException as e:
             self._failure.append(e)
 
-    def join(self, failure=None, timeout: float | None = None) -> None:  # type: ignore[override]
-        super().join(timeout)
+    def join(self, failure=None) -> None:  # type: ignore[override]
+        super().join()
         if failure:
             raise failure[0]
 

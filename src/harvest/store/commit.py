@@ -251,7 +251,8 @@ class Committer:
         self.on_lost = on_lost or (lambda stream, error: None)
         self.failure: BaseException | None = None
         self._aborted = False  # abort(): nothing more is queued or committed
-        self._queueing = threading.Lock()  # a shard is queued entirely before or after abort() begins
+        self._queueing = threading.Condition()  # a shard is queued entirely before or after abort() begins
+        self._submitting = 0  # submit() calls under way (abort waits for them to discard what they made)
         self._queues = [queue.Queue(maxsize=depth) for _ in range(threads)]
         self._threads = [threading.Thread(target=self._run, args=(q,), daemon=True, name=f"commit-{i}")
                          for i, q in enumerate(self._queues)]
@@ -264,22 +265,29 @@ class Committer:
         Blocks while that thread's queue is full (storage behind): compute waits, nothing is dropped. A shard
         that will not be committed (the run failing or aborted) has its data object deleted."""
         q = self._queues[shard.stream % len(self._queues)]
-        encoded = self._encode(shard)
+        with self._queueing:
+            self._submitting += 1
         try:
-            while True:
-                self.check()
-                with self._queueing:
-                    if self._aborted:
-                        break
-                    try:
-                        q.put(encoded, timeout=0.5)
-                        return
-                    except queue.Full:
-                        continue
-        except BaseException:
+            encoded = self._encode(shard)
+            try:
+                while True:
+                    self.check()
+                    with self._queueing:
+                        if self._aborted:
+                            break
+                        try:
+                            q.put(encoded, timeout=0.5)
+                            return
+                        except queue.Full:
+                            continue
+            except BaseException:
+                self._discard(encoded)
+                raise
             self._discard(encoded)
-            raise
-        self._discard(encoded)
+        finally:
+            with self._queueing:
+                self._submitting -= 1
+                self._queueing.notify_all()
 
     def check(self) -> None:
         if self.failure is not None:
@@ -301,9 +309,10 @@ class Committer:
         being submitted are discarded, their objects deleted once written. A stream's next holder would sweep
         such objects, but a stream already complete has none. Waits at most `wait_s` for storage; what is
         still in flight then is left to the sweeps."""
+        deadline = time.monotonic() + wait_s
         with self._queueing:
             self._aborted = True
-        deadline = time.monotonic() + wait_s
+            self._queueing.wait_for(lambda: self._submitting == 0, timeout=wait_s)
         for q in self._queues:
             with contextlib.suppress(queue.Full):
                 q.put(None, timeout=max(0.0, deadline - time.monotonic()))
