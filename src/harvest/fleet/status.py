@@ -22,7 +22,7 @@ from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progres
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
-from harvest.store.report import RunScanner, human_age, human_count, status_rows
+from harvest.store.report import RunScanner, human_age, human_bytes, human_count, status_rows
 
 _JOB_STYLE = {"RUNNING": "green", "RECOVERING": "yellow", "SUCCEEDED": "green", "PENDING": "dim", "STARTING": "cyan"}
 
@@ -121,7 +121,7 @@ def render_training(status: TrainingStatus) -> list[RenderableType]:
 
 def _pending(stream: int, total: int | None) -> dict[str, Any]:
     return {"stream": stream, "state": "pending", "records": 0, "total": total, "samples": 0, "tokens": 0,
-            "shards": 0, "bytes": 0, "rate": 0.0, "worker": "-", "age": None}
+            "shards": 0, "bytes": 0, "rate": 0.0, "byte_rate": 0.0, "worker": "-", "age": None}
 
 
 def _group_rows(out: str, streams: list[int], counts: tuple[int, ...] | None, now: datetime) -> dict[int, dict]:
@@ -168,7 +168,7 @@ def render(status: FleetStatus) -> list[RenderableType]:
         rows = [w for w in status.workers if w.worker.group.name == group.name]
         table = Table(title=f"{group.name}: {group.accelerator} in {', '.join(group.regions)} -> {group.out}",
                       title_justify="left")
-        for name in ("worker", "job", "region", "recoveries", "streams", "done", "records", "tokens/s",
+        for name in ("worker", "job", "region", "recoveries", "streams", "done", "records", "tokens/s", "bytes/s",
                      "last commit", "eta"):
             table.add_column(name, justify="left" if name in ("worker", "job", "region") else "right")
         for w in rows:
@@ -179,18 +179,20 @@ def render(status: FleetStatus) -> list[RenderableType]:
                           format_ranges(w.worker.streams),
                           f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
                           human_count(w.total("rate")) if w.total("rate") else "-",
+                          human_bytes(w.total("byte_rate")) if w.total("byte_rate") else "-",
                           Text(human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
                                                                            if stale else ""),
                                style="bold red" if stale else ""),
                           _eta(w.total("records"), _sum_total([w]), w.total("tokens"), w.total("rate")))
         out.append(table)
     ws = status.workers
-    records, tokens, rate = (sum(w.total(k) for w in ws) for k in ("records", "tokens", "rate"))
+    records, tokens, rate, byte_rate = (sum(w.total(k) for w in ws) for k in ("records", "tokens", "rate", "byte_rate"))
     done, streams = sum(w.done for w in ws), sum(len(w.streams) for w in ws)
     running = sum(w.state == "RUNNING" for w in ws)
     line = (f"fleet {status.plan.spec.name}: {done}/{streams} streams done, "
             f"records {_records(records, _sum_total(ws))}, "
-            f"{human_count(rate) if rate else 0} tokens/s, {running}/{len(ws)} workers running, "
+            f"{human_count(rate) if rate else 0} tokens/s ({human_bytes(byte_rate)}/s stored), "
+            f"{running}/{len(ws)} workers running, "
             f"eta {_eta(records, _sum_total(ws), tokens, rate)}")
     out.append(Text(line, style="bold"))
     for worker, stale in status.stale:
