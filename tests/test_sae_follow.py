@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_helpers import count_sidecars, harvest_cmd, is_complete, text_streams
+from extract_helpers import count_sidecars, harvest_cmd, is_complete, run_harvest, text_streams
 from reader_helpers import RunWriter
 
 from harvest.read import open_run
@@ -173,3 +174,29 @@ def test_what_cannot_be_followed_is_refused_in_one_line(setup, tmp_path, capsys)
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (args, err)
         assert not (tmp_path / "sae").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_trainer_waits_for_shards_saves_the_step_and_exits_75(setup, tmp_path):
+    """A preemption notice while the trainer waits for an extraction's next shards (one that may itself be
+    preempted and never commit them) ends the wait at once, not at the next listing: the step reached is saved,
+    the trainer exits 75, and the rerun goes on from that step once the run is complete."""
+    run, sae, log = tmp_path / "run", tmp_path / "sae", tmp_path / "sae.log"
+    extraction = start(harvest_cmd(*extract_args(setup, run)), setup["env"], tmp_path / "extract.log")
+    wait_for(lambda: count_sidecars(run) >= 4, proc=extraction)
+    extraction.kill()
+    extraction.wait()
+    slow = [*sae_cmd(run, sae, 12_000)[:-1], "600"]  # a listing every 600 s: only SIGTERM ends the wait soon
+    trainer = start(slow, setup["env"], log)
+    wait_for(lambda: saved_while_waiting(log, sae), proc=trainer)
+    reached = saved_while_waiting(log, sae)
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=60) == 75, log.read_text()[-3000:]
+    assert any(sae.glob(f"checkpoints/{reached}/*/process_00000.json"))
+    before = len(log.read_text())
+    assert run_harvest(*extract_args(setup, run), env=setup["env"]).returncode == 0
+    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], log)
+    assert trainer.wait(timeout=120) == 0, log.read_text()[-3000:]
+    rerun = log.read_text()[before:]
+    assert re.search(r"^step (\d+)/", rerun, re.M)[1] == str(reached + 1), rerun[:3000]
+    assert_each_token_used_once(run, sae)

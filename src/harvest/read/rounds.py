@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harvest.read.errors import StateError
+from harvest.runtime import sigterm
 from harvest.storage import Storage
 from harvest.store import format as fmt
 from harvest.store.listing import covered_streams, read_run_info
@@ -66,7 +67,7 @@ def wait_for_run(storage: Storage, poll: float) -> Snapshot:
     while not storage.exists(fmt.RUN_JSON):
         since = _waiting(since, f"{storage.url}: no run.json yet; waiting for `harvest extract` to start writing "
                                 f"the run (listing every {poll:g}s)")
-        time.sleep(poll)
+        sigterm.sleep(poll)
     read_run_info(storage)  # a damaged or too new run.json: one line
     return Snapshot.take(storage)
 
@@ -111,7 +112,7 @@ class Follower:
             if since is None and self.on_wait is not None:
                 self.on_wait()
             since = _waiting(since, self._waiting_for(view, start, epoch))
-            time.sleep(self.poll)
+            sigterm.sleep(self.poll)
             view = view.grown(self.storage)
         tokens = sum(sc.tokens for s, n in now.items() for sc in view.of_stream(s)[start.get(s, 0):n])
         decided = Round(epoch, number, counts(start), now, tokens)

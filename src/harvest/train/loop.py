@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from harvest.runtime import distributed
+from harvest.runtime.sigterm import Interrupted
 from harvest.train.checkpoint import Checkpoints
 from harvest.train.runlog import SigtermFlag
 
@@ -14,13 +15,21 @@ from harvest.train.runlog import SigtermFlag
 def run_steps(step: int, steps: int, advance: Callable[[int], None], save: Callable[[int], None], *,
               checkpoints: Checkpoints, every: int, saved_at: int | None, name: str) -> int:
     """From `step` to `steps`: `advance(n)` runs (and logs) the step that ends at n; `save(n)` checkpoints step
-    n, every `every` steps, at `steps`, and at once when any process got SIGTERM (the loop then stops short).
+    n, every `every` steps, at `steps`, and at once when any process got SIGTERM (the loop then stops short; a
+    SIGTERM while `advance` waits for data, harvest.runtime.sigterm.sleep, saves the step reached before it).
     A starting point no checkpoint holds (`saved_at` differs, e.g. --steps 0) is saved too. Then the saves are
     waited for and every process meets at the barrier `name`. Returns the step reached."""
     with SigtermFlag() as sigterm, distributed.peers_watched():
         while step < steps:
+            try:
+                advance(step + 1)
+            except Interrupted:  # SIGTERM while the data was waited for: that step did not run
+                distributed.any_true(True)  # as the other processes agree on a notice at a step
+                if step not in checkpoints.steps():  # the waiting reader's trainer may have saved it already
+                    save(step)
+                saved_at = step
+                break
             step += 1
-            advance(step)
             sigterm.hold(step)
             preempted = distributed.any_true(sigterm.raised)
             if preempted or step % every == 0 or step == steps:
