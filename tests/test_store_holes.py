@@ -25,6 +25,7 @@ from extract_helpers import (RELEASE_COMMIT, another_vm, committed as committed_
 import harvest.storage.local as local
 from harvest.errors import UserError
 from harvest.storage import Storage
+from harvest.storage.errors import StorageError
 from harvest.store import encoding, format as fmt
 from harvest.store.commit import commit, sweep, wipe
 from harvest.store.format import sidecar_name
@@ -146,8 +147,12 @@ def test_a_partial_overwrite_against_a_stalled_writer_loses_no_shard(setup):
         a_attempt = a_data[0][len("shard_000003-"):-len(".safetensors")]
 
         def b_committed_three() -> bool:
-            names = sidecars(out, 0)
-            files = [json.loads(Storage(out).read_bytes(f"{shard_dir(out, 0)}/{n}"))["file"] for n in names]
+            directory = shard_dir(out, 0)  # once: B's wipe may start its generation between two lookups
+            names = [n for n in Storage(out).listdir(directory) if n.startswith("shard_") and n.endswith(".json")]
+            try:
+                files = [json.loads(Storage(out).read_bytes(f"{directory}/{n}"))["file"] for n in names]
+            except StorageError:  # listed in the generation B's wipe has just ended and deleted
+                return False
             return len(names) == 3 and not any(a_attempt in f for f in files)
 
         wait_until(b_committed_three, b, setup.root / "p-b.log")
