@@ -1,0 +1,60 @@
+"""The README's fenced code blocks, as the README-examples tests read them: every example is run or planned.
+
+A block is (line, lang, text): `line` is the 1-based line of its opening fence, `lang` the fence's info string
+("bash", "yaml", "python", "text", or "" when none), `text` what lies between the fences.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    line: int
+    lang: str
+    text: str
+
+    def where(self) -> str:
+        return f"README.md:{self.line} ({self.lang or 'no language'})"
+
+
+def blocks(lang: str | None = None, path: Path = README) -> list[Block]:
+    """Every fenced block of the file (indented fences too, as in list items), or those of one language."""
+    found: list[Block] = []
+    opened: tuple[int, str, str] | None = None
+    body: list[str] = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fence = _FENCE.match(line)
+        if opened is None:
+            if fence:
+                opened, body = (number, fence.group(2), fence.group(1)), []
+        elif fence and fence.group(2) == "":
+            start, info, indent = opened
+            found.append(Block(start, info, "\n".join(b[len(indent):] if b.startswith(indent) else b for b in body)))
+            opened = None
+        else:
+            body.append(line)
+    if opened is not None:
+        raise ValueError(f"{path}:{opened[0]}: a fence that never closes")
+    return [b for b in found if lang is None or b.lang == lang]
+
+
+def commands(block: Block) -> list[str]:
+    """A shell block's commands: continuation lines joined, comments and blank lines dropped."""
+    joined, out = "", []
+    for raw in block.text.splitlines():
+        line = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if line.endswith("\\"):
+            joined += line[:-1] + " "
+            continue
+        joined += line
+        if joined.strip():
+            out.append(" ".join(joined.split()))
+        joined = ""
+    return out
