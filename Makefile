@@ -43,8 +43,9 @@ test: $(VENV)/.installed-test $(SKY_VENV)/.installed
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/forward.py
 
-# The fleet's docker image (Dockerfile): harvest and its dependencies from a wheelhouse built here, so the
-# build needs no index. VARIANT cpu | tpu | cuda; BASE_IMAGE any image with python3 and venv.
+# The fleet's docker image (Dockerfile): the wheel of this checkout (distribution harvest-activations, on no
+# index) and its dependencies' wheels, built here into a wheelhouse, so the build needs no index.
+# VARIANT cpu | tpu | cuda; BASE_IMAGE any image with python3 and venv.
 IMAGE ?= harvest:dev
 VARIANT ?= cpu
 BASE_IMAGE ?= python:3.11-slim

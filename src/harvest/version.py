@@ -9,6 +9,6 @@ FROM_SOURCE = "0+source"  # harvest run from a checkout's src/ on PYTHONPATH, no
 
 def harvest_version() -> str:
     try:
-        return version("harvest")
+        return version("harvest-activations")  # the distribution's name (pyproject.toml)
     except PackageNotFoundError:
         return FROM_SOURCE

@@ -2,15 +2,20 @@
 Idempotent: a second `up` finds every job active and launches nothing. The fleet's secrets are read from
 `up`'s own environment and handed to SkyPilot as task secrets: no file of the plan holds their values.
 A TRM fleet whose dataset is missing first runs its one puzzles build and waits for the dataset's commit
-marker, so the pod slice is asked for only once its data is there."""
+marker, so the pod slice is asked for only once its data is there. A fleet that carries this checkout builds
+its wheel once, at the first launch, and SkyPilot uploads it with each task (harvest.fleet.carry)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
+from harvest.fleet.carry import build_wheel
 from harvest.fleet.plan import Plan, Worker, build_task, task_config
 from harvest.fleet.puzzles import dataset_present
 from harvest.fleet.sky import FINISHED_OK, JobRecord, Jobs
@@ -39,28 +44,33 @@ def up(plan: Plan, jobs: Jobs, *, poll: float = 30.0,
     """Launch each worker with no active or succeeded job, after the puzzles build where one is due;
     returns (launched, left as they are)."""
     secrets = secret_values(plan)  # before any launch: a missing one launches nothing
-    queued = {job.name: job for job in jobs.queue()}
-    if plan.build is not None and not dataset_present(plan.build.out):
-        queued = _build_first(plan, jobs, queued, secrets, poll, say)
-    launched, kept = [], []
-    for worker in plan.workers:
-        job = queued.get(worker.job_name)
-        if job is not None and (job.active or job.status == FINISHED_OK):
-            kept.append(worker)
-            continue
-        _launch(jobs, task_config(worker, plan.spec), secrets)
-        launched.append(worker)
+    with tempfile.TemporaryDirectory(prefix="harvest-up-") as tmp:
+        @functools.cache
+        def wheel() -> Path | None:  # built at the first launch; the launch requests have uploaded it by the end
+            return build_wheel(tmp) if plan.spec.carries_checkout else None
+
+        queued = {job.name: job for job in jobs.queue()}
+        if plan.build is not None and not dataset_present(plan.build.out):
+            queued = _build_first(plan, jobs, queued, secrets, poll, say, wheel)
+        launched, kept = [], []
+        for worker in plan.workers:
+            job = queued.get(worker.job_name)
+            if job is not None and (job.active or job.status == FINISHED_OK):
+                kept.append(worker)
+                continue
+            _launch(jobs, task_config(worker, plan.spec, wheel()), secrets)
+            launched.append(worker)
     return launched, kept
 
 
 def _build_first(plan: Plan, jobs: Jobs, queued: dict[str, JobRecord], secrets: dict[str, str], poll: float,
-                 say: Callable[[str], None]) -> dict[str, JobRecord]:
+                 say: Callable[[str], None], wheel: Callable[[], Path | None]) -> dict[str, JobRecord]:
     """Launch the puzzles build (unless it is running) and wait until its dataset is committed; one line if
     the build ends without it. Interrupted, the build goes on: the next `up` waits for it again."""
     build = plan.build
     job = queued.get(build.job_name)
     if job is None or not job.active:
-        _launch(jobs, build_task(build, plan.spec), secrets)
+        _launch(jobs, build_task(build, plan.spec, wheel()), secrets)
     say(f"puzzles build {build.job_name} running: the trainers start once {build.out} holds the dataset "
         f"(Ctrl-C leaves the build running; `harvest fleet up` again waits on)")
     started = time.monotonic()

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from harvest.data.streams import StreamSet
 from harvest.errors import RetryLater, UserError
+from harvest.fleet import carry
 from harvest.fleet.container import docker_run
 from harvest.fleet.jobs import COMMAND, INPUT, TrainingShape, check_job, config_class, flag_args, training_shape
 from harvest.fleet.puzzles import BUILD_CPUS, BUILD_NAME, PuzzlesBuild, check_puzzles
@@ -223,26 +224,28 @@ def run_command(worker: Worker, spec: FleetSpec) -> str:
     return "harvest " + " ".join(shlex.quote(a) for a in args) + flags
 
 
-def task_config(worker: Worker, spec: FleetSpec) -> dict[str, Any]:
+def task_config(worker: Worker, spec: FleetSpec, wheel: Path | None = None) -> dict[str, Any]:
     """One SkyPilot task (as its YAML holds it) for one worker: a managed job that recovers on preemption
-    and on harvest's retryable exits, in any of the group's regions."""
+    and on harvest's retryable exits, in any of the group's regions. `wheel`: the checkout's, which a fleet
+    with neither install nor image carries (harvest.fleet.carry)."""
     g, shape = worker.group, worker.topology
     task = _task(worker.job_name, g, spec, (spec.name, g.name, worker.worker_id), run_command(worker, spec),
-                 accelerator=shape.accelerator if shape.kind != "cpu" else None, tpu=shape.kind == "tpu")
+                 accelerator=shape.accelerator if shape.kind != "cpu" else None, kind=shape.kind, wheel=wheel)
     if g.num_nodes > 1:
         task["num_nodes"] = g.num_nodes
     return task
 
 
-def build_task(build: PuzzlesBuild, spec: FleetSpec) -> dict[str, Any]:
+def build_task(build: PuzzlesBuild, spec: FleetSpec, wheel: Path | None = None) -> dict[str, Any]:
     """The puzzles build's task: `harvest puzzles build` once, on a CPU VM in the trainers' regions."""
     command = "harvest " + " ".join(shlex.quote(a) for a in build.args())
     return _task(build.job_name, build.group, spec, (spec.name, build.group.name, f"{spec.name}/{BUILD_NAME}"),
-                 command, cpus=BUILD_CPUS)
+                 command, cpus=BUILD_CPUS, wheel=wheel)
 
 
 def _task(name: str, g: Group, spec: FleetSpec, plan_envs: tuple[str, str, str], run: str, *,
-          accelerator: str | None = None, cpus: str = "4+", tpu: bool = False) -> dict[str, Any]:
+          accelerator: str | None = None, cpus: str = "4+", kind: str = "cpu",
+          wheel: Path | None = None) -> dict[str, Any]:
     resources: dict[str, Any] = {
         "use_spot": g.spot,
         "any_of": [{"region": r} for r in g.regions],
@@ -253,7 +256,7 @@ def _task(name: str, g: Group, spec: FleetSpec, plan_envs: tuple[str, str, str],
         resources["cpus"] = cpus
     else:
         resources["accelerators"] = accelerator
-    if spec.image is not None and not tpu:
+    if spec.image is not None and kind != "tpu":
         resources["image_id"] = f"docker:{spec.image}"
     task: dict[str, Any] = {"name": name, "resources": resources}
     task["envs"] = {**dict(zip(PLAN_ENVS, plan_envs, strict=True)), **spec.envs}
@@ -261,24 +264,30 @@ def _task(name: str, g: Group, spec: FleetSpec, plan_envs: tuple[str, str, str],
         task["secrets"] = dict.fromkeys(spec.secrets)  # values: `fleet up` (harvest.fleet.launch), or --secret
     if spec.install is not None:
         task["setup"] = spec.install
-    elif tpu:
+    elif spec.image is None:
+        if wheel is None:
+            raise ValueError(f"{name}: the fleet carries this checkout: give its wheel (harvest.fleet.carry)")
+        task["file_mounts"] = {carry.remote_path(wheel): str(wheel.absolute())}
+        task["setup"] = carry.setup_command(wheel, carry.extras(spec, kind))
+    elif kind == "tpu":
         task["setup"] = f"docker pull {shlex.quote(spec.image)}"
     task["run"] = run
     return task
 
 
-def tasks(plan: Plan) -> dict[str, dict[str, Any]]:
+def tasks(plan: Plan, wheel: Path | None = None) -> dict[str, dict[str, Any]]:
     """Every task of the plan by job name: the puzzles build first, when there is one, then the workers."""
-    out = {plan.build.job_name: build_task(plan.build, plan.spec)} if plan.build else {}
-    return out | {w.job_name: task_config(w, plan.spec) for w in plan.workers}
+    out = {plan.build.job_name: build_task(plan.build, plan.spec, wheel)} if plan.build else {}
+    return out | {w.job_name: task_config(w, plan.spec, wheel) for w in plan.workers}
 
 
 def emit(plan: Plan, directory: str | Path) -> list[Path]:
-    """Write one task YAML per job, named after it."""
+    """Write one task YAML per job, named after it, beside the checkout's wheel where the fleet carries it."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    wheel = carry.build_wheel(out) if plan.spec.carries_checkout else None
     paths = []
-    for name, task in tasks(plan).items():
+    for name, task in tasks(plan, wheel).items():
         path = out / f"{name}.yaml"
         path.write_text(yaml.dump(task, Dumper=_TaskDumper, sort_keys=False, width=10_000))
         paths.append(path)

@@ -1,5 +1,5 @@
-"""fleet.yaml as typed records: one run (`name`, `data`, one job's settings, how to install harvest, the
-workers' environment) and groups of identical workers. Every problem is one line naming the file and the key.
+"""fleet.yaml as typed records: one run (`name`, `data`, one job's settings, how harvest gets onto the workers,
+the workers' environment) and groups of identical workers. Every problem is one line naming the file and the key.
 
 The job is one of JOBS: `extract:` (`harvest extract` settings; many workers, streams dealt between them),
 `train:` (`harvest train` settings: a decoder or a TRM) or `sae:` (`harvest sae train` settings), the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,16 @@ class FleetSpec:
     settings: dict[str, Any]  # the job's settings (`harvest extract`, `train` or `sae train`), as in --config
     groups: tuple[Group, ...]
     puzzles: dict[str, Any] | None = None  # `harvest puzzles build` settings and `kind`, built once into data
-    install: str | None = None  # a setup command, e.g. pip install 'harvest[tpu,gcs]==0.2.0'
-    image: str | None = None  # or a docker image holding harvest
+    install: str | None = None  # a setup command installing harvest-activations from the user's own index
+    image: str | None = None  # or a docker image holding harvest; with neither, tasks carry this checkout
     envs: dict[str, str] = dataclasses.field(default_factory=dict)  # set on every worker (in the task YAML)
     secrets: tuple[str, ...] = ()  # names whose values `fleet up` takes from its own env (never in a file)
     shared_paths: bool = False  # every worker sees this machine's paths: local data/out/model allowed
+
+    @property
+    def carries_checkout(self) -> bool:
+        """Neither install nor image: each task carries a wheel of this checkout (harvest.fleet.carry)."""
+        return self.install is None and self.image is None
 
 
 def load_fleet(path: str | Path) -> FleetSpec:
@@ -88,8 +94,11 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     if puzzles is not None and job != "train":
         raise FleetError(f"{where}: puzzles: builds a TRM's dataset; it goes with a train: job, not {job}:")
     install, image = _optional(top, where, "install", str), _optional(top, where, "image", str)
-    if (install is None) == (image is None):
-        raise FleetError(f"{where}: give exactly one of install (a setup command) or image (a docker image)")
+    if install is not None and image is not None:
+        raise FleetError(f"{where}: give at most one of install (a setup command) or image (a docker image); "
+                         f"with neither, each task carries this checkout and installs it")
+    if install is not None:
+        check_install(install, where)
     groups_raw = _required(top, where, "groups", list)
     if not groups_raw:
         raise FleetError(f"{where}: groups is empty; declare at least one group of workers")
@@ -107,6 +116,28 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     data = ",".join(_url(d.strip(), where, "data", shared) for d in data.split(",")) if job == "sae" else \
         _url(data, where, "data", shared)
     return FleetSpec(where, name, data, job, settings, groups, puzzles, install, image, envs, secrets, shared)
+
+
+# The distribution's name: the package index's `harvest` is an unrelated project (a 2014 command-line tool).
+DISTRIBUTION = "harvest-activations"
+_PIP_INSTALL = re.compile(r"(?:^|[\s;&|(])(?:uv\s+)?(?:pip3?|python3?\s+-m\s+pip)\s+install\s+([^;&|]*)")
+_REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?=$|[\[=<>!~;@\s])")
+
+
+def check_install(install: str, where: str) -> None:
+    """Refuse, in one line, an install command that would take the package index's `harvest`."""
+    for args in _PIP_INSTALL.findall(install):
+        try:
+            words = shlex.split(args)
+        except ValueError:
+            words = args.split()
+        for word in words:
+            name = _REQUIREMENT.match(word)
+            if name and re.sub(r"[-_.]+", "-", name.group(0).lower()) == "harvest":
+                raise FleetError(f"{where}: install: {word!r} is the package index's harvest, an unrelated "
+                                 f"project; this one is {DISTRIBUTION} (e.g. pip install "
+                                 f"'{DISTRIBUTION}[tpu,gcs]' from an index that holds it), or remove install "
+                                 f"(and image) and each task carries this checkout")
 
 
 def _url(spec: str, where: str, key: str, shared: bool) -> str:
@@ -195,10 +226,31 @@ def _mapping(raw: Any, where: str, what: str, keys: set[str]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise FleetError(f"{where}: {what} must be a mapping of keys, got {type(raw).__name__}")
     unknown = sorted(str(k) for k in raw if k not in keys)
+    split = _split_value(raw, keys)
+    if split:
+        raise FleetError(f"{where}: {what}: unknown key {split[1]}: a value with commas inside {{...}} needs "
+                         f"quotes: {split[0]}: \"{split[1]}\"")
     if unknown:
         raise FleetError(f"{where}: {what}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(keys))})")
     return raw
+
+
+def _split_value(raw: dict, keys: set[str]) -> tuple[str, str] | None:
+    """A flow mapping's unquoted value split at its commas (`{mesh: data=16,model=4}` reads as mesh: data=16
+    and a key model=4 with no value): the known key and its whole value, or None."""
+    items = [(str(k), v) for k, v in raw.items()]
+    for i in range(1, len(items)):
+        key, value = items[i]
+        if key in keys or value is not None or items[i - 1][0] not in keys:
+            continue
+        parts = [str(items[i - 1][1])]
+        for key, value in items[i:]:
+            if key in keys or value is not None:
+                break
+            parts.append(key)
+        return items[i - 1][0], ",".join(parts)
+    return None
 
 
 def _typed(value: Any, kind, where: str, key: str, label: str | None) -> Any:
