@@ -27,7 +27,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls, prefix: str = "") ->
                                 help=help_line(field))
         else:
             parser.add_argument(flag(field.name), dest=prefix + field.name, type=_FLAG_TYPES.get(kind, str),
-                                default=None, help=help_line(field))
+                                default=None, metavar=field.name.upper(), help=help_line(field))
 
 
 def _json_object(text: str) -> dict:
@@ -76,17 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train", help="train (or resume) a decoder or a TRM; `train export RUN --out DIR` writes a HF checkpoint",
-        description="Train a decoder (from a HF checkpoint or from scratch) on packed data, sharded over the "
-        "mesh, with orbax checkpoints in --out; rerunning the same command resumes. `harvest train export RUN "
-        "--out HF_DIR [--step N]` writes a checkpoint as a HF model. With --model a TRM (a preset name, or "
-        "{type: trm, preset: ..., overrides}) and --data a puzzle dataset it trains a TinyRecursiveModel; "
-        "`harvest train eval RUN --data PUZZLES [--split test]` gives its exact accuracy (ARC: pass@K).",
+        description="Train a decoder (from a HF checkpoint, a GGUF or from scratch) on packed data, sharded over the "
+        "mesh, with orbax checkpoints in --out; rerunning the same command resumes. With --model a TRM (a preset "
+        "name, or {type: trm, preset: ..., overrides}) and --data a puzzle dataset it trains a TinyRecursiveModel. "
+        "`harvest train export --help` and `harvest train eval --help` show those actions' own flags.",
     )
-    train.add_argument("action", nargs="?", choices=["export", "eval"],
-                       help="export: write a checkpoint as a HF model; eval: a TRM run's accuracy on --data")
-    train.add_argument("run_url", nargs="?", metavar="RUN", help="export, eval: the training run's URL")
-    train.add_argument("--split", default="test", help="eval: the puzzle dataset's split (default: test)")
-    train.add_argument("--step", type=int, default=None, help="export: the checkpoint's step (default: newest)")
+    train_actions = train.add_subparsers(dest="action", metavar="ACTION",
+                                         title="actions (instead of training; each has its own --help)")
+    export = train_actions.add_parser(
+        "export", help="write a training run's checkpoint as a HF model",
+        description="Write a checkpoint of a decoder training run as a HF checkpoint directory (config.json, "
+        "safetensors, the tokenizer's files), loadable with transformers and by `harvest extract --model`.")
+    export.add_argument("run_url", metavar="RUN", help="the training run's URL")
+    export.add_argument("--out", required=True, help="the HF checkpoint directory to write")
+    export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
+    export.set_defaults(run=subcommands.train)
+    trm_eval = train_actions.add_parser(
+        "eval", help="a TRM run's exact accuracy on a puzzle dataset (ARC: pass@K)",
+        description="Evaluate a TRM training run's newest checkpoint on a puzzle dataset (`harvest puzzles build`): "
+        "exact accuracy per puzzle, and pass@K for ARC; prints JSON.")
+    trm_eval.add_argument("run_url", metavar="RUN", help="the TRM training run's URL")
+    trm_eval.add_argument("--data", required=True, help="the puzzle dataset's URL")
+    trm_eval.add_argument("--split", default="test", help="the puzzle dataset's split (default: test)")
+    trm_eval.set_defaults(run=subcommands.train)
     _add_config_flags(train, TrainConfig)
     train.set_defaults(run=subcommands.train)
 
@@ -107,22 +119,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     sae = commands.add_parser(
         "sae", help="sparse autoencoders on a run's activations: train, eval, export",
-        description="`harvest sae train` trains TopK/BatchTopK/JumpReLU/ReLU SAEs on a run's tensors, latents over "
-        "the mesh's model axis, with checkpoints in --out (rerunning resumes). `harvest sae eval SAE_RUN [--run RUN] "
-        "[--tokens N] [--model MODEL --data TEXTS]`: FVU, L0, dead latents, firing histogram on held-out tokens; "
-        "with --model, CE loss recovered. `harvest sae export SAE_RUN "
-        "--format saelens|sparsify --out DIR [--step N]`.")
-    sae.add_argument("action", choices=["train", "eval", "export"])
-    sae.add_argument("sae_url", nargs="?", metavar="SAE_RUN", help="eval, export: the SAE run's URL")
-    sae.add_argument("--step", type=int, default=None, help="eval, export: the checkpoint's step (default: newest)")
-    sae.add_argument("--format", choices=["saelens", "sparsify"], default=None, help="export: the files' format")
-    sae.add_argument("--model", dest="eval_model", default=None,
-                     help="eval: the model (HF checkpoint) the run came from: adds CE loss recovered on --data")
-    sae.add_argument("--data", dest="eval_data", default=None, help="eval with --model: texts (JSONL with 'text')")
-    sae.add_argument("--max-seq-len", dest="eval_max_seq_len", type=int, default=256,
-                     help="eval with --model: tokens per text scored")
-    _add_config_flags(sae, SaeConfig, "sae_")
-    sae.set_defaults(run=subcommands.sae)
+        description="Sparse autoencoders on a harvest run's activations. Each action has its own flags: "
+        "`harvest sae train --help`, `harvest sae eval --help`, `harvest sae export --help`.")
+    sae_actions = sae.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sae_train = sae_actions.add_parser(
+        "train", help="train SAEs on a run's tensors (rerunning resumes)",
+        description="Train TopK/BatchTopK/JumpReLU/ReLU SAEs on a run's tensors, latents over the mesh's model axis, "
+        "with checkpoints in --out; rerunning the same command resumes. Every setting can also come from --config "
+        "sae.yaml.")
+    _add_config_flags(sae_train, SaeConfig, "sae_")
+    sae_train.set_defaults(run=subcommands.sae)
+    sae_eval = sae_actions.add_parser(
+        "eval", help="FVU, L0, dead latents, firing histogram; with --model, CE loss recovered",
+        description="Measure an SAE run on held-out tokens (its --holdout-streams, or --run): FVU, L0, dead "
+        "latents and the firing histogram; with --model and --data, CE loss recovered on those texts. Prints JSON.")
+    sae_eval.add_argument("sae_url", metavar="SAE_RUN", help="the SAE run's URL")
+    sae_eval.add_argument("--run", dest="sae_run", default=None, metavar="RUN",
+                          help="a harvest run to measure on (default: the SAE run's held-out streams)")
+    sae_eval.add_argument("--tokens", dest="sae_tokens", type=int, default=None, metavar="N",
+                          help="tokens to measure on (default: 100000)")
+    sae_eval.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
+    sae_eval.add_argument("--skip-first", dest="sae_skip_first", type=int, default=None, metavar="N",
+                          help="leave out each sample's first N tokens (default: as the SAE was trained)")
+    sae_eval.add_argument("--max-norm", dest="sae_max_norm", type=float, default=None, metavar="R",
+                          help="leave out every token whose norm exceeds R x its run's median token norm; 0 = off "
+                          "(default: as the SAE was trained)")
+    sae_eval.add_argument("--model", dest="eval_model", default=None, metavar="MODEL",
+                          help="the model the run came from (HF checkpoint directory, hub id or GGUF): adds CE loss "
+                          "recovered on --data")
+    sae_eval.add_argument("--data", dest="eval_data", default=None, metavar="TEXTS", help="with --model: texts (JSONL with 'text')")
+    sae_eval.add_argument("--max-seq-len", dest="eval_max_seq_len", type=int, default=256, metavar="N",
+                          help="with --model: tokens per text scored (default: %(default)s)")
+    sae_eval.set_defaults(run=subcommands.sae)
+    sae_export = sae_actions.add_parser(
+        "export", help="write an SAE run's checkpoint for SAELens or sparsify",
+        description="Write each SAE of a run's checkpoint as a directory SAELens (SAE.load_from_disk) or sparsify "
+        "loads.")
+    sae_export.add_argument("sae_url", metavar="SAE_RUN", help="the SAE run's URL")
+    sae_export.add_argument("--format", choices=["saelens", "sparsify"], required=True, help="the files' format")
+    sae_export.add_argument("--out", dest="sae_out", required=True, metavar="DIR", help="the directory to write")
+    sae_export.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
+    sae_export.set_defaults(run=subcommands.sae)
 
     streams = commands.add_parser("streams", help="split a source into disjoint streams")
     streams_commands = streams.add_subparsers(dest="streams_command", required=True, metavar="ACTION")
@@ -136,8 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--overwrite", action="store_true", help="replace existing streams there")
     create.set_defaults(run=subcommands.streams_create)
 
-    status = commands.add_parser("status", help="progress of a run, per stream")
-    status.add_argument("url")
+    status = commands.add_parser(
+        "status", help="progress of a run, per stream",
+        description="Progress of an extraction run (per stream: records, shards, tokens, bytes stored, rates, "
+        "worker, last update) or of a training run (step, loss, tokens/s, newest checkpoint), read from storage "
+        "only; --watch refreshes it live.")
+    status.add_argument("url", metavar="URL", help="the run's URL: a local directory, gs:// or s3://")
     status.add_argument("--watch", action="store_true", help="refresh live until interrupted")
     status.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
     status.set_defaults(run=subcommands.status)
@@ -149,8 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("urls", nargs="+", metavar="URL")
     verify.set_defaults(run=subcommands.verify)
 
-    inspect = commands.add_parser("inspect", help="what a run holds: points, tokens, shards, stats, a sample")
-    inspect.add_argument("url")
+    inspect = commands.add_parser(
+        "inspect", help="what a run holds: points, tokens, shards, stats, a sample",
+        description="What an extraction run holds: its model and points, tokens, shards and bytes per stream, each "
+        "tensor's running stats, and one decoded sample.")
+    inspect.add_argument("url", metavar="URL", help="the run's URL: a local directory, gs:// or s3://")
     inspect.set_defaults(run=subcommands.inspect)
 
     fleet = commands.add_parser(

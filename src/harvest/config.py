@@ -89,7 +89,9 @@ def check_settings(config: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ExtractConfig:
-    model: str = setting("HF checkpoint directory or hub id (e.g. Qwen/Qwen2.5-0.5B)")
+    model: str = setting("HF checkpoint directory, hub id (e.g. Qwen/Qwen2.5-0.5B) or GGUF (a .gguf file or "
+                         "gs://, s3://, https:// URL, or a directory holding one; dequantized once into "
+                         "$HARVEST_CACHE/gguf/)")
     data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://, "
                         "hf://name[:config]:split")
     out: str = setting("output URL: a local directory, gs://bucket/path or s3://bucket/path")

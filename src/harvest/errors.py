@@ -1,7 +1,8 @@
 """Errors a user can cause: the CLI prints them as one line and exits with the error's code, never a
 traceback. Codes: 2 bad input or a refused command; 3 this worker lost a stream's lease to another
 (do not retry: someone else writes it now); 75 (EX_TEMPFAIL) a transient condition outlasted its budget
-(storage unreachable): rerunning the same command later resumes."""
+(storage unreachable, or full: harvest.storage's StorageFull), or a SIGTERM stop: rerunning the same command
+later resumes, and a fleet's job recovery does (harvest.fleet.plan's RETRYABLE_EXIT_CODES)."""
 
 
 class UserError(Exception):

@@ -25,13 +25,11 @@ def extract(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater, UserError
+    from harvest.errors import RetryLater
 
     if args.action == "export":
         from harvest.train.export import export
 
-        if not args.run_url or not args.out:
-            raise UserError("usage: harvest train export RUN --out HF_DIR [--step N]")
         done = export(args.run_url, args.out, args.step)
         print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
               f"{len(done['files'])} file(s), tokenizer files: {', '.join(done['tokenizer_files']) or 'none'}")
@@ -41,12 +39,8 @@ def train(args: argparse.Namespace) -> int:
 
         from harvest.train.trm.evaluate import evaluate
 
-        if not args.run_url or not args.data:
-            raise UserError("usage: harvest train eval RUN --data PUZZLES [--split test]")
         print(json.dumps(evaluate(args.run_url, args.data, args.split), indent=1))
         return 0
-    if args.run_url:
-        raise UserError(f"harvest train: unexpected argument {args.run_url!r} (did you mean `harvest train export`?)")
     from harvest.train.config import TrainConfig
     from harvest.train.job import run_train, train_config
 
@@ -68,30 +62,25 @@ def puzzles(args: argparse.Namespace) -> int:
 
 
 def sae(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater, UserError
+    from harvest.errors import RetryLater
 
-    if args.action != "train":
-        if not args.sae_url:
-            raise UserError(f"usage: harvest sae {args.action} SAE_RUN ...")
-        if args.action == "export":
-            from harvest.sae.export import export
+    if args.action == "export":
+        from harvest.sae.export import export
 
-            if not args.sae_out or not args.format:
-                raise UserError("usage: harvest sae export SAE_RUN --format saelens|sparsify --out DIR [--step N]")
-            done = export(args.sae_url, args.sae_out, args.format, args.step)
-            print(f"exported step {done['step']} of {args.sae_url} as {args.format}: {', '.join(done['dirs'])}")
-            return 0
+        done = export(args.sae_url, args.sae_out, args.format, args.step)
+        print(f"exported step {done['step']} of {args.sae_url} as {args.format}: {', '.join(done['dirs'])}")
+        return 0
+    if args.action == "eval":
         import json
 
         from harvest.sae.evaluate import evaluate
 
         print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step,
                                   model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len,
-                                  skip_first=args.sae_skip_first),
+                                  skip_first=args.sae_skip_first,
+                                  **({} if args.sae_max_norm is None else {"max_norm": args.sae_max_norm})),
                          indent=1))
         return 0
-    if args.sae_url:
-        raise UserError(f"harvest sae train: unexpected argument {args.sae_url!r}")
     from harvest.sae.config import SaeConfig
     from harvest.sae.job import run_sae_train
 

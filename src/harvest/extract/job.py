@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import socket
 import time
 from typing import Any, Iterator
@@ -45,8 +46,10 @@ from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.runtime.sigterm import SigtermFlag
 from harvest.store import format as fmt, quant
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
-from harvest.storage import Storage
+from harvest.storage import Storage, StorageError
 from harvest.store.lease import Leases
+
+log = logging.getLogger("harvest")
 
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
@@ -118,8 +121,10 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
     # A full --overwrite with fewer streams drops the run's others (process 0 does, under their leases).
     dropped = _streams_beyond(out, data.num_streams) if cfg.overwrite and whole and jax.process_index() == 0 else []
+    existed = out.exists()
+    created_run = False
     with SigtermFlag() as sigterm:
-        leases.acquire(mine + dropped)  # --overwrite included: never delete streams that another worker holds
+        _take_leases(out, leases, mine + dropped)  # --overwrite included: never delete streams another worker holds
         try:
             if cfg.overwrite:
                 distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
@@ -128,14 +133,54 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
                 for directory in {fmt.stream_dir(stream), fmt.shard_dir(stream, leases.generation(stream))}:
                     out.remove_stale_temps(directory)
-            if jax.process_index() == 0 and not out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes()):
-                check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
+            if jax.process_index() == 0:
+                created_run = out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes())
+                if not created_run:
+                    check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
             decoder = clock.timed("weights", load_decoder, checkpoint, cfg.points, mesh, **decoding)
             return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure,
                             sigterm, clock, slot_rows=cfg.batch_size * (data_slots(mesh) if one_slot else 1))
+        except UserError as e:
+            if e.exit_code != 2:  # lost a stream (3: nothing of it is ours to touch), or retry later (75)
+                raise
+            # Bad input met on the way (--strict) or a refusal: streams this worker never wrote go back as they were.
+            raise UserError(f"{e}; {_leave_untouched(out, leases, created_run, existed, cfg.strict)}") from None
         finally:
             leases.release_all()
+
+
+def _take_leases(out: Storage, leases: Leases, streams: list[int]) -> None:
+    """Take the streams' leases: the command's first write. Where storage refuses it (a read-only or full disk,
+    a file on the path, no permission, no bucket), nothing was written, and the one line says --out is the
+    input at fault."""
+    try:
+        leases.acquire(streams)
+    except StorageError as e:
+        if e.exit_code != 2:
+            raise
+        raise UserError(f"cannot write --out {out.url}: {e.reason}; give a --out this process can write (nothing "
+                        "was written)") from None
+
+
+def _leave_untouched(out: Storage, leases: Leases, created_run: bool, existed: bool, strict: bool) -> str:
+    """After a stop on bad input: the held streams that hold nothing but their lease are removed (Leases.
+    drop_untouched), then run.json where this process created it and no stream is left (one process: another
+    may still hold its streams), then --out itself where this command made it. Returns what is left, said for
+    the user: nothing, or a run whose committed shards stay and that a rerun resumes."""
+    leases.drop_untouched()
+    try:
+        if created_run and jax.process_count() == 1 and not _streams_beyond(out, 0):
+            out.delete(fmt.RUN_JSON)
+            if existed or out.remove_empty_dir():
+                return "nothing was written (--out is as it was)"
+    except UserError as e:
+        log.warning("could not remove run.json after the stop (%s)", e)
+    left = "the shards committed before the stop are kept and the leases released: a rerun resumes from them"
+    if strict:
+        left += (" (the run is incomplete; `harvest status` shows where each stream stopped): rerun without "
+                 "--strict to skip and record bad inputs, or fix the data and rerun with --overwrite")
+    return left
 
 
 def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:

@@ -1,6 +1,10 @@
 """What a running extraction shows: a live progress bar (or log lines off a terminal), progress.json
 per stream for `harvest status`, and the end-of-run summary of what was skipped, truncated or chunked.
 
+The live line counts records (lines of the streams read) and samples (the pieces computed from them: one per
+record under --long truncate or skip, less any bad input skipped; chunks and ARC variants add more) together, as
+each packed block's last row is computed: the rows of a block hold its pieces in any order, so a block is the
+unit in which both are known. Under --long truncate, samples never exceed records.
 A resume re-packs the row that holds its stream's resume point, so pieces before that point are computed
 again: the live line counts only pieces past it, and the summary's totals are the committed shards'."""
 
@@ -15,7 +19,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from harvest.data.batching import Row
+from harvest.data.batching import Piece, Row
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
 from harvest.storage import Storage
@@ -50,12 +54,15 @@ class Progress:
 
     def rows_done(self, stream: int, row: Row) -> None:
         with self._lock:
-            if row.block:
+            if row.block:  # the block's last row: all its pieces are computed now
                 self.records[stream] = max(self.records[stream], row.block[-1].pos[0] + 1)
+                self.samples[stream] += sum(isinstance(event, Piece) and event.pos >= self.resumed[stream]
+                                            for event in row.block)
+            if row.end is not None:
+                self.records[stream] = max(self.records[stream], row.end.records)
             self.session_tokens += row.used
             self.packing[stream][0] += row.used
             self.packing[stream][1] += len(row.tokens)
-            self.samples[stream] += sum(piece.pos >= self.resumed[stream] for piece, _ in row.events)
 
     def committed(self, manifest: Sidecar) -> None:
         with self._lock:
@@ -83,7 +90,8 @@ class Progress:
             total = sum(t for t in self.totals.values() if t is not None)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
         of = f"/{total}" if known else ""
-        return f"records {done}{of}, samples {sum(self.samples.values())}, {rate:,.0f} tokens/s, shards {self.shards}"
+        return (f"records {done}{of} read, samples {sum(self.samples.values())} computed from them, {rate:,.0f} "
+                f"tokens/s, shards {self.shards} committed")
 
     @contextlib.contextmanager
     def display(self):

@@ -6,6 +6,7 @@ from harvest.storage.backend import Backend, Upload, Versioned
 from harvest.storage.errors import (
     PreconditionFailed,
     StorageError,
+    StorageFull,
     StorageNotFoundError,
     StorageUnreachable,
     describe,
@@ -14,5 +15,5 @@ from harvest.storage.errors import (
 )
 from harvest.storage.storage import Storage, json_bytes
 
-__all__ = ["Backend", "PreconditionFailed", "Storage", "StorageError", "StorageNotFoundError", "StorageUnreachable",
+__all__ = ["Backend", "PreconditionFailed", "Storage", "StorageError", "StorageFull", "StorageNotFoundError", "StorageUnreachable",
            "Upload", "Versioned", "describe", "is_transient", "json_bytes", "redact"]

@@ -18,15 +18,25 @@ from harvest.errors import UserError
 
 
 class StorageError(UserError):
-    """A storage operation failed for good: the message is one line naming the URL and what happened."""
+    """A storage operation failed for good: the message is one line naming the URL and what happened; `reason`
+    is what happened alone (e.g. "read-only file system"), for a caller that names the input itself."""
 
-    def __init__(self, message: str, url: str | None = None):
+    def __init__(self, message: str, url: str | None = None, reason: str | None = None):
         super().__init__(message)
         self.url = url
+        self.reason = reason or message
 
 
 class StorageUnreachable(StorageError):
     """Transient failures outlasted the retries: rerunning later resumes (exit 75, like RetryLater)."""
+
+    exit_code = 75
+
+
+class StorageFull(StorageError):
+    """No space left on the device (or the quota is spent): nothing half-written stays (every write lands whole
+    or not at all), and rerunning the same command once there is room resumes (exit 75, like RetryLater: a job
+    manager retries it, on another machine or later)."""
 
     exit_code = 75
 

@@ -32,11 +32,11 @@ class LocalBackend(Backend):
         self.clock = clock
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
+        with _open_to_read(path) as f:
             return f.read()
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
-        with open(path, "rb") as f:
+        with _open_to_read(path) as f:
             f.seek(start)
             return f.read(end - start)
 
@@ -234,6 +234,15 @@ def _rename_if_absent(tmp: str, path: str) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), path)
+
+
+def _open_to_read(path: str):
+    """open(path, "rb"); a file sitting where a directory of the path should be means the file is not there
+    (FileNotFoundError, as for any missing name: a lease or run.json not yet written), not a read error."""
+    try:
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+    except NotADirectoryError as e:
+        raise FileNotFoundError(errno.ENOENT, f"not found ({e.strerror}: a file sits on the path)", path) from None
 
 
 def _makedirs(d: str) -> None:

@@ -12,7 +12,9 @@ Paths given to the methods are relative, '/'-separated, under the root (`stream_
   loops are off, so the budget is the one set on the class. Anything else (not found, permission, 4xx)
   is not retried.
 - Every failure surfaces as `StorageError` (a `UserError`: one line naming the URL and what happened);
-  a missing file as `StorageNotFoundError`, which is also a `FileNotFoundError`.
+  a missing file as `StorageNotFoundError`, which is also a `FileNotFoundError`; a full disk (ENOSPC, EDQUOT)
+  as `StorageFull`, exit 75 like `StorageUnreachable`: every write lands whole or not at all, so nothing is
+  corrupted, and the same command resumes once there is room.
 
 Endpoints and credentials come from the environment, as for any gcsfs/s3fs user: `STORAGE_EMULATOR_HOST`
 (GCS emulator), `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION` /
@@ -38,6 +40,7 @@ from harvest.storage.errors import (
     BlockedPath,
     PreconditionFailed,
     StorageError,
+    StorageFull,
     StorageNotFoundError,
     StorageUnreachable,
     describe,
@@ -197,22 +200,26 @@ class Storage:
             raise e  # a bug, not a storage problem: keep the traceback
         if isinstance(e, FileNotFoundError):
             if writing and not self.is_local:
-                return StorageNotFoundError(
-                    f"cannot {op} {url}: bucket {self.bucket!r} does not exist or is not accessible; "
-                    "create it or fix the URL", url)
-            return StorageNotFoundError(f"{url}: not found", url)
+                reason = f"bucket {self.bucket!r} does not exist or is not accessible; create it or fix the URL"
+                return StorageNotFoundError(f"cannot {op} {url}: {reason}", url, reason)
+            if writing:  # a local write's directory vanished under it (made just before)
+                return StorageError(f"cannot {op} {url}: {describe(e)}", url, describe(e))
+            return StorageNotFoundError(f"{url}: not found", url, "not found")
         if isinstance(e, BlockedPath):
-            return StorageError(f"cannot {op} {url}: {e}", url)
+            return StorageError(f"cannot {op} {url}: {e}", url, str(e))
         if isinstance(e, PermissionError) or (isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM)):
-            return StorageError(f"cannot {op} {url}: permission denied ({describe(e)})", url)
+            reason = f"permission denied ({describe(e)})"
+            return StorageError(f"cannot {op} {url}: {reason}", url, reason)
         if isinstance(e, OSError) and e.errno == errno.EROFS:
-            return StorageError(f"cannot {op} {url}: read-only file system", url)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return StorageError(f"cannot {op} {url}: no space left on device", url)
+            return StorageError(f"cannot {op} {url}: read-only file system", url, "read-only file system")
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            reason = "no space left on device" if e.errno == errno.ENOSPC else "disk quota exceeded"
+            return StorageFull(f"cannot {op} {url}: {reason}; nothing half-written was kept: make room (or give "
+                               "another --out) and rerun the same command to resume", url, reason)
         if not attempts:
-            return StorageError(f"cannot {op} {url}: {describe(e)}", url)
+            return StorageError(f"cannot {op} {url}: {describe(e)}", url, describe(e))
         return StorageUnreachable(f"cannot {op} {url}: {describe(e)} (gave up after {attempts} attempts over "
-                                  f"{elapsed:.1f}s); rerun the same command to resume", url)
+                                  f"{elapsed:.1f}s); rerun the same command to resume", url, describe(e))
 
     # --- reads ------------------------------------------------------------------------------------------
 
@@ -375,6 +382,20 @@ class Storage:
             paths = [self.path(rel) for rel in rels]
             what = rels[0] if len(rels) == 1 else f"{rels[0]} and {len(rels) - 1} more"
             self._retry("delete", what, lambda: self.backend.delete(paths))
+
+    def remove_empty_dir(self, rel: str = "") -> bool:
+        """Remove the local directory `rel` if it is empty (rmdir: never anything in it); whether it is gone. An
+        object store has no directories: True there once nothing lies under `rel`."""
+        path = self.path(rel)
+        if not self.is_local:
+            return not self.listdir(rel)
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return True
 
     def delete_tree(self, rel: str) -> None:
         """Delete `rel` and everything under it; what is missing is fine. On an object store: one listing and

@@ -47,9 +47,14 @@ PROGRESS = "progress.json"
 LEASE = "lease.json"
 STREAM_FILES = {PROGRESS, LEASE}  # in a stream directory besides data objects and sidecars
 
-_STREAM_DIR = re.compile(r"^stream_(\d{5})$")
-_SIDECAR = re.compile(r"^shard_(\d{6})\.json$")
-_DATA_FILE = re.compile(r"^shard_(\d{6})(?:-([0-9a-f]{8,32}))?\.safetensors$")
+# Numbers are written zero-padded to 5 (streams) and 6 (shards) digits and wider as they grow (stream 100000,
+# shard 1000000): a pattern takes exactly what `stream_dir`/`shard_stem` write, the padded width or more digits
+# without a leading zero, so every number has one name and every name one number.
+_STREAM_NUMBER = r"(\d{5}|[1-9]\d{5,})"
+_SHARD_NUMBER = r"(\d{6}|[1-9]\d{6,})"
+_STREAM_DIR = re.compile(rf"^stream_{_STREAM_NUMBER}$")
+_SIDECAR = re.compile(rf"^shard_{_SHARD_NUMBER}\.json$")
+_DATA_FILE = re.compile(rf"^shard_{_SHARD_NUMBER}(?:-([0-9a-f]{{8,32}}))?\.safetensors$")
 _GENERATION = re.compile(r"^[0-9a-f]{16}$")
 _GENERATION_DIR = re.compile(r"^gen_([0-9a-f]{16})$")
 

@@ -4,7 +4,8 @@ to Weights & Biases or to a TensorBoard event file as well. The packages stay op
 
 A resumed run continues the same curves: the W&B run whose id the run's record (run.json) keeps, resumed;
 the event file RUN/tensorboard/events.out.tfevents.0.harvest, rewritten (like metrics.jsonl) from the records
-the resumed run keeps plus its new ones, so a step is never shown twice."""
+the resumed run keeps plus its new ones, so a step is never shown twice. W&B's local files go under the run's
+--out (OUT/wandb/; `wandb_dir`), not into the directory the command ran in."""
 
 from __future__ import annotations
 
@@ -46,15 +47,32 @@ def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return flat
 
 
+def wandb_dir(out: Storage) -> str | None:
+    """Where W&B keeps a run's local files (its `wandb/` directory: the offline run, logs, the synced copy): under
+    the run's --out where that is local (OUT/wandb/), else under harvest's cache ($HARVEST_CACHE/wandb/<hash of
+    the URL>/wandb/), never the current directory. None where $WANDB_DIR names one: W&B's own setting wins."""
+    if os.environ.get("WANDB_DIR"):
+        return None
+    if out.is_local:
+        path = out.path()
+    else:
+        from harvest.runtime.cache import root
+
+        path = str(root() / "wandb" / stable_hash(out.url)[:16])
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 class WandbCurves:
     """One W&B run per harvest run (project $WANDB_PROJECT, default harvest; WANDB_MODE=offline writes only the
-    local run files), its id the run record's run_id so that every resume continues it."""
+    local run files, under `wandb_dir`), its id the run record's run_id so that every resume continues it."""
 
     def __init__(self, out: Storage, record: Any):
         import wandb
 
         run_id = record.run_id or stable_hash(out.url)[:16]  # a record written before run ids: one id per URL
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "harvest"), id=run_id, resume="allow",
+                              dir=wandb_dir(out),
                               name=out.url.rstrip("/").rsplit("/", 1)[-1], job_type=record.kind,
                               config={**record.config, "mesh": record.mesh, "kernel": record.kernel})
 
