@@ -33,7 +33,7 @@ from harvest.errors import UserError
 from harvest.read import shuffle
 from harvest.read.errors import StateError
 from harvest.read.gather import Group
-from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader
+from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader, squared_norms
 from harvest.read.position import STATE_VERSION, Cursor, Order, run_fingerprint
 from harvest.read.rounds import Follower
 from harvest.storage import Storage
@@ -84,6 +84,12 @@ class TokenBatches:
     how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
     `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
     `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
+    `max_norm` (R; None or 0: off) leaves out every token whose L2 norm exceeds R x the run's median token
+    norm at any of the tensors read (massive activations, wherever they sit): the median per tensor as given
+    in `median_norm` ({tensor: norm}, or one number for all), else the run's own (`median_norms`: a seeded
+    sample of the streams read, the same on every rank). `norm_limits` holds the limits applied;
+    `massive_left_out` counts the tokens the rule left out (and `tokens_considered` those it looked at) in
+    the groups read so far.
     `follow` (seconds between listings) reads a run still being written, as its sole consumer: the first epoch
     takes each shard once as it is committed and ends when the streams read are complete (`rounds`, a folder,
     records each round's shards; see harvest.read.rounds; `on_wait()` runs as each wait for shards begins);
@@ -104,6 +110,7 @@ class TokenBatches:
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
                  streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
                  stats: Mapping[str, RunningStats] | None = None, skip_first: int = 0,
+                 max_norm: float | None = None, median_norm: Mapping[str, float] | float | None = None,
                  follow: float | None = None, rounds: Storage | None = None,
                  on_wait: Callable[[], None] | None = None):
         for value, what in ((batch_size, "batch_size"), (shard_buffer, "shard_buffer"), (piece_bytes, "piece_bytes"),
@@ -112,6 +119,8 @@ class TokenBatches:
                 raise ValueError(f"{what} must be positive, got {value}")
         if int(skip_first) < 0:
             raise ValueError(f"skip_first must be 0 or more, got {skip_first}")
+        if max_norm is not None and not float(max_norm) >= 0:
+            raise ValueError(f"max_norm must be 0 (off) or more, got {max_norm}")
         if not 0 <= int(rank) < int(world):
             raise ValueError(f"rank must be in [0, world={world}), got {rank}")
         if (worker is None) != (workers is None) or (workers is not None and not 0 <= worker < workers):
@@ -141,11 +150,16 @@ class TokenBatches:
         self._stored = stored
         self.pieces = PieceReader(storage, view, names, stored, verify=verify, on_corrupt=on_corrupt)
         row_bytes = 4 + sum(view.tensors[n] * stored.itemsize + 4 * self._coded for n in names)
+        self.median_norms = {} if not max_norm else (
+            median_norms(storage, view, names, streams=streams, exclude=exclude) if median_norm is None
+            else {n: float(median_norm if isinstance(median_norm, (int, float)) else median_norm[n]) for n in names})
+        self.norm_limits = {n: float(max_norm) * m for n, m in self.median_norms.items()}
+        self.massive_left_out = self.tokens_considered = 0
         self._settings = dict(seed=int(seed), shuffle=bool(shuffle), buffer=int(shard_buffer),
                               piece_tokens=max(int(piece_bytes) // row_bytes, 1),
                               rank=int(rank), world=int(world),
                               exclude=tuple(sorted(set(self._excluded(exclude)))), skip_first=int(skip_first),
-                              follow=follow is not None,
+                              follow=follow is not None, max_norm=tuple(self.norm_limits.items()),
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
         self._fixed_worker = None if worker is None else (int(worker), int(workers))
         self._affine = {n: self._normalization(n, normalize, stats) for n in names} if normalize else {}
@@ -338,9 +352,12 @@ class TokenBatches:
                 while submitted < min(boundary + self.prefetch, len(todo)):
                     piece = todo[submitted]
                     pending.append(pool.submit(self.pieces.read, piece, sidecars[(piece.stream, piece.shard)],
-                                               order.exclude, order.skip_first))
+                                               order.exclude, order.skip_first, order.max_norm))
                     submitted += 1
                 group = Group([pending.popleft().result() for _ in plan[g]])
+                massive = sum(part.massive for part in group.parts)
+                self.massive_left_out += massive
+                self.tokens_considered += massive + group.rows
                 perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle,
                                          round_)
                 row = start.row if g == start.group else 0
@@ -386,3 +403,20 @@ class TokenBatches:
                 x = x.astype(self.out_dtype)
             cols[n] = x
         return {k: self.convert(v) for k, v in cols.items()}
+
+
+MEDIAN_SAMPLE = 2**16  # tokens the median norm is taken over (or the whole run, when smaller)
+
+
+def median_norms(storage: Storage, view: Snapshot, names: list[str], *, streams: Sequence[int] | None = None,
+                 exclude: Sequence[int] | None = None, sample: int = MEDIAN_SAMPLE) -> dict[str, float]:
+    """{tensor: the median L2 norm of its tokens}, over the first `sample` tokens of the streams read in a
+    reader's order with seed 0 (every token when the run holds fewer): the same number on every rank and in
+    every rerun of the same committed shards, whatever the trainer's seed. Each sample's first tokens count
+    (they are few; the median hardly moves); `exclude` as the reader's (default: the special tokens)."""
+    reader = TokenBatches(storage, view, sample, list(names), seed=0, epochs=1, exclude=exclude, dtype="float32",
+                          streams=streams, prefetch=2)
+    batch = next(iter(reader), None)
+    if batch is None or not len(batch["tokens"]):
+        raise UserError(f"{view.url}: max_norm needs the run's median token norm, and the streams read hold no token")
+    return {n: float(np.median(np.sqrt(squared_norms(batch[n])))) for n in names}

@@ -10,10 +10,12 @@ import numpy as np
 
 @dataclasses.dataclass
 class Part:
-    """A piece as read: its columns (all its rows) and the rows to serve (None: all)."""
+    """A piece as read: its columns (all its rows), the rows to serve (None: all) and how many rows the norm
+    rule (max_norm) left out."""
 
     cols: dict[str, np.ndarray]
     keep: np.ndarray | None
+    massive: int = 0
 
     @property
     def rows(self) -> int:

@@ -65,10 +65,11 @@ class PieceReader:
         self.verified_shards: set[str] = set()
         self.bytes_hashed = 0
 
-    def read(self, piece: Piece, sc: Sidecar, exclude: tuple[int, ...], skip_first: int = 0) -> Part:
+    def read(self, piece: Piece, sc: Sidecar, exclude: tuple[int, ...], skip_first: int = 0,
+             max_norm: tuple[tuple[str, float], ...] = ()) -> Part:
         """A piece's rows (views of mapped or fetched bytes, as unsigned ints of the stored width) and which
-        of them to serve (not the tokens `exclude` names, nor a sample's first `skip_first`): runs in the
-        reading threads."""
+        of them to serve (not the tokens `exclude` names, nor a sample's first `skip_first`, nor a token whose
+        L2 norm exceeds its limit in `max_norm` at any of those tensors): runs in the reading threads."""
         rel = shard_path(sc)
         try:
             cols = self._ranged(rel, sc, piece)
@@ -82,13 +83,27 @@ class PieceReader:
                 self.skipped_shards.add(rel)
             return Part({k: np.empty((0, *shape), dtype) for k, (shape, dtype) in self.raw.items()}, None)
         cols = {k: v.view(self.raw[k][1]) for k, v in cols.items()}
-        keep = None
-        if exclude or later is not None:
-            mask = ~np.isin(cols["tokens"], exclude) if exclude else later
-            if exclude and later is not None:
-                mask &= later
-            keep = None if mask.all() else np.flatnonzero(mask)
-        return Part(cols, keep)
+        mask = later
+        if exclude:
+            mask = ~np.isin(cols["tokens"], exclude) if mask is None else mask & ~np.isin(cols["tokens"], exclude)
+        massive = 0
+        if max_norm:
+            below = self.below(cols, max_norm)
+            massive = int(np.count_nonzero(~below if mask is None else mask & ~below))
+            mask = below if mask is None else mask & below
+        keep = None if mask is None or mask.all() else np.flatnonzero(mask)
+        return Part(cols, keep, massive)
+
+    def below(self, cols: dict[str, np.ndarray], max_norm: tuple[tuple[str, float], ...]) -> np.ndarray:
+        """Which rows have an L2 norm at or below the limit at every tensor `max_norm` names (the values as
+        served in float32: 8-bit codes times their scales), summed in float64."""
+        ok = np.ones(len(cols["tokens"]), bool)
+        for name, limit in max_norm:
+            x = cols[name].view(self.stored)
+            if quant.is_quantized(self.dtype_name):
+                x = quant.dequantize(x, cols[quant.scale_name(name)].view(np.float32))
+            ok &= squared_norms(x) <= float(limit) ** 2
+        return ok
 
     def _later(self, rel: str, sc: Sidecar, piece: Piece, skip_first: int) -> np.ndarray:
         """Which rows of the piece lie at position `skip_first` or later within their sample (from the shard's
@@ -148,3 +163,13 @@ class PieceReader:
         if self.verify == "header":
             return False
         return self.verify == "sha256" or sc.tensor_digests is not None or self._whole_file_pays
+
+
+def squared_norms(x: np.ndarray, rows: int = 4096) -> np.ndarray:
+    """Each row's squared L2 norm in float64, from its float32 values (bf16 and fp8 widened exactly), a block
+    of rows at a time: the same numbers wherever the rows are (harvest.read.batches.median_norms uses it too)."""
+    out = np.empty(len(x), np.float64)
+    for lo in range(0, len(x), rows):
+        block = np.asarray(x[lo:lo + rows]).astype(np.float64)
+        out[lo:lo + rows] = np.einsum("ij,ij->i", block, block)
+    return out

@@ -28,17 +28,20 @@ class Order:
     streams: tuple[int, ...] | None
     skip_first: int = 0  # each sample's first tokens left out (attention sinks)
     follow: bool = False  # the first epoch read in rounds while the run grows
+    max_norm: tuple[tuple[str, float], ...] = ()  # (tensor, L2 norm): tokens above it at any tensor left out
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["exclude"] = list(self.exclude)
         out["streams"] = None if self.streams is None else list(self.streams)
+        out["max_norm"] = [[name, limit] for name, limit in self.max_norm]
         return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Order:
         return cls(**{**obj, "exclude": tuple(obj["exclude"]),
-                      "streams": None if obj["streams"] is None else tuple(obj["streams"])})
+                      "streams": None if obj["streams"] is None else tuple(obj["streams"]),
+                      "max_norm": tuple((str(n), float(v)) for n, v in obj.get("max_norm", ()))})
 
 
 @dataclasses.dataclass(frozen=True)

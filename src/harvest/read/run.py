@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from harvest.read.batches import TokenBatches
+from harvest.read.batches import TokenBatches, median_norms
 from harvest.read.errors import UnknownTensorError
 from harvest.storage import Storage
 from harvest.store.records import RunInfo, Sidecar
@@ -218,9 +218,15 @@ class Run:
         """Shuffled token rows of `tensors` (default: all) for SAE training, `batch_size` at a time, split over
         ranks and data-loader workers, resumable: the settings and their defaults are TokenBatches'
         (seed, epoch, epochs, rank, world, worker, workers, shuffle, shard_buffer, piece_bytes, prefetch,
-        io_threads, drop_last, exclude, skip_first, dtype, normalize, verify, on_corrupt, as_torch, streams,
-        snapshot)."""
+        io_threads, drop_last, exclude, skip_first, max_norm, median_norm, dtype, normalize, verify, on_corrupt,
+        as_torch, streams, snapshot)."""
         return TokenBatches(self.storage, self.view, batch_size, self._names(tensors), **settings)
+
+    def median_norms(self, tensors: Sequence[str] | str | None = None, *, streams: Sequence[int] | None = None,
+                     exclude: Sequence[int] | None = None) -> dict[str, float]:
+        """{tensor: median token L2 norm} as token_batches(max_norm=R) takes it (harvest.read.batches.median_norms:
+        a seeded sample of the streams read, the same numbers on every rank and rerun)."""
+        return median_norms(self.storage, self.view, self._names(tensors), streams=streams, exclude=exclude)
 
     def torch_dataset(self, batch_size: int, tensors: Sequence[str] | str | None = None, **kwargs: Any):
         """A torch IterableDataset of batches (use DataLoader(ds, batch_size=None, num_workers=k)). It holds

@@ -40,7 +40,10 @@ class SaeConfig(RunSettings):
     jumprelu_bandwidth: float = setting("jumprelu: width of the straight-through estimator's window", 0.001,
                                         minimum=0)
     jumprelu_init_threshold: float = setting("jumprelu: initial threshold", 0.001, minimum=0)
-    dead_tokens: int = setting("a latent is dead after this many tokens without firing", 10_000_000, minimum=1)
+    dead_tokens: int = setting("a latent is dead when it fired on none of the last W tokens, W = this many (or every "
+                               "token trained, while fewer): the dead fraction logged, and the latents AuxK trains "
+                               "(once W tokens were trained); `sae eval` counts over the tokens it reads",
+                               10_000_000, minimum=1)
     lr: float | None = setting("Adam's peak learning rate (default: 2e-4 / sqrt(latents / 2^14), as sparsify)",
                                None, minimum=0)
     warmup: int = setting("linear warmup steps (from 0, as sparsify's adam)", 1000, minimum=0)
@@ -55,6 +58,10 @@ class SaeConfig(RunSettings):
     skip_first: int = setting("leave out each sample's first N tokens (attention sinks, whose norms dwarf the rest) "
                               "from training, and from `sae eval` (its reconstruction and the CE splice)", 0,
                               minimum=0)
+    max_norm: float = setting("leave out every token whose L2 norm exceeds R x the run's median token norm "
+                              "(massive activations, wherever they sit; the median from a seeded sample of the run, "
+                              "recorded in run.json) from training, and from `sae eval` (its reconstruction and the "
+                              "CE splice); 0 = off", 0.0, minimum=0)
     follow: bool = setting("train while `harvest extract` still writes --run: the first epoch takes each shard once as "
                            "it is committed, waits (saying for what) when it has read every committed shard, and ends "
                            "when every stream of the run is complete; later epochs read the whole run, reshuffled. A "
@@ -83,7 +90,7 @@ class SaeConfig(RunSettings):
 
     # Settings a resumed run must keep: they decide which data and which SAEs the checkpoint holds.
     RUN_FIELDS = ("run", "tensors", "architecture", "latents", "expansion", "k", "batch_tokens", "normalize",
-                  "skip_first", "holdout_streams", "mesh", "param_dtype", "seed")
+                  "skip_first", "max_norm", "holdout_streams", "mesh", "param_dtype", "seed")
 
     def __post_init__(self):
         """`run` and `tensors` as lists, also where Python code gives a comma-separated string."""
@@ -121,6 +128,9 @@ class SaeConfig(RunSettings):
         if self.follow and self.normalize == "run-stats":
             raise ConfigError("--normalize run-stats needs the whole run's statistics, which --follow does not have "
                               "until the run is complete; use --normalize none, or train once the run is complete")
+        if self.follow and self.max_norm:
+            raise ConfigError("--max-norm needs the run's median token norm, which a run followed may not hold yet; "
+                              "use --skip-first, or train once the run is complete")
         if self.follow and self.eval_every:
             raise ConfigError("--eval-every reads held-out rows at the start, which a run followed may not hold yet; "
                               "drop it and measure with `harvest sae eval` once the run is complete")

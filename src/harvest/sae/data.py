@@ -43,6 +43,10 @@ class Inputs:
     def train_streams(self, r: int) -> list[int]:
         return [s for s in self.streams[r] if s not in self.holdout[r]]
 
+    def median_norms(self, tensors: list[str]) -> list[dict[str, float]]:
+        """Per run, {tensor: its median token norm} over every stream it reads (harvest.read.batches.median_norms)."""
+        return [run.median_norms(tensors, streams=streams) for run, streams in zip(self.runs, self.streams)]
+
     def mean_square_norm(self, tensor: str) -> float:
         """E ||x||^2 over every committed token of every run (their merged stats)."""
         total = count = 0.0
@@ -96,24 +100,29 @@ def check_batch(batch_tokens: int, runs: int, mesh: Mesh) -> int:
 def readers(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
             streams: list[list[int]] | None = None, epochs: int | None = None,
             skip_first: int = 0, follow: float | None = None, book: Storage | None = None,
-            on_wait: Callable[[], None] | None = None) -> list[GlobalBatches]:
+            on_wait: Callable[[], None] | None = None, max_norm: float = 0.0,
+            medians: list[dict[str, float]] | None = None) -> list[GlobalBatches]:
     """One reader per run, `part` rows a step each, of its training streams (or `streams`), without each
-    sample's first `skip_first` tokens; following the runs (`follow`) with their rounds in `book`/run_R."""
+    sample's first `skip_first` tokens, nor (`max_norm` R > 0) the tokens over R x the run's median norm
+    (`medians[r]`, per tensor); following the runs (`follow`) with their rounds in `book`/run_R."""
     def following(r: int) -> dict:
         return {} if follow is None else {"follow": follow, "rounds": book and book.child(f"run_{r}"),
                                           "on_wait": on_wait}
 
     return [run.jax_batches(part, tensors, mesh=mesh, data_axes=DATA_AXES, seed=seed, epochs=epochs,
                             dtype="float32", skip_first=skip_first,
+                            **({"max_norm": max_norm, "median_norm": medians[r]} if max_norm else {}),
                             streams=inputs.train_streams(r) if streams is None else streams[r], **following(r))
             for r, run in enumerate(inputs.runs)]
 
 
 def held_out(inputs: Inputs, tensors: list[str], part: int, mesh: Mesh, seed: int,
-             batches: int, skip_first: int = 0) -> dict[str, jax.Array]:
+             batches: int, skip_first: int = 0, max_norm: float = 0.0,
+             medians: list[dict[str, float]] | None = None) -> dict[str, jax.Array]:
     """Up to `batches` batches ({tensor: [n, B, d]}) of the held-out streams, read once: the same rows at
     every evaluation during training. Refuses held-out streams shorter than one batch."""
-    readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1, skip_first=skip_first)
+    readers_ = readers(inputs, tensors, part, mesh, seed, streams=inputs.holdout, epochs=1, skip_first=skip_first,
+                       max_norm=max_norm, medians=medians)
     rows = []
     for _ in range(batches):
         try:
@@ -146,3 +155,8 @@ def gather_states(batches: list[GlobalBatches]) -> list[list[dict]]:
     padded[:len(mine)] = np.frombuffer(mine, np.uint8)
     table = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(bytes(row[:n])) for row, n in zip(table, lengths)]
+
+
+def left_out(batches: list[GlobalBatches]) -> tuple[int, int]:
+    """(tokens the norm rule left out, tokens it looked at) by this process's readers, in the groups read so far."""
+    return (sum(b.reader.massive_left_out for b in batches), sum(b.reader.tokens_considered for b in batches))

@@ -2,7 +2,8 @@
 that `sae_lens.SAE.load_from_disk` or sparsify's `SparseCoder.load_from_disk` loads, giving harvest's
 latents and reconstructions on the raw activations (a run-stats input scale is folded into the weights:
 W_enc x s, W_dec / s, b_dec / s leave the pre-activations unchanged and return raw-scale outputs). Beside
-them, harvest.json says what those configs cannot: each sample's first tokens left out of training."""
+them, harvest.json says what those configs cannot: the tokens left out of training (each sample's first
+`skip_first`, and those over `max_norm` x the run's `median_norm`: `norm_limit`, an L2 norm, per run)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,10 @@ def export(url: str, out: str, fmt: str, step: int | None = None) -> dict[str, A
         write = _sparsify if fmt == "sparsify" else _saelens
         write(target, name, spec, p)
         # What the loaders' configs have no field for: the tokens the SAE never saw, to leave out when using it.
-        kept = {"sae_run": url, "step": step, "tensor": name, "skip_first": int(info["config"].get("skip_first", 0))}
+        kept = {"sae_run": url, "step": step, "tensor": name, "skip_first": int(info["config"].get("skip_first", 0)),
+                "max_norm": float(info["config"].get("max_norm", 0) or 0)}
+        if kept["max_norm"]:  # tokens over max_norm x median_norm (the L2 norm, per training run) were left out
+            kept.update(median_norm=info["saes"][name]["median_norm"], norm_limit=info["saes"][name]["norm_limit"])
         (target / "harvest.json").write_text(json.dumps(kept, indent=1))
         written.append(str(target))
     return {"step": step, "out": out, "dirs": written}

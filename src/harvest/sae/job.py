@@ -29,7 +29,7 @@ from harvest.storage import Storage
 from harvest.train import curves
 from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
 from harvest.train.loop import run_steps
-from harvest.train.runlog import MetricsFile, RunRecord, check_run, write_run
+from harvest.train.runlog import MetricsFile, RunRecord, check_run, read_run, write_run
 
 KIND = "sae"
 EVAL_BATCHES = 8  # batches of held-out rows each --eval-every evaluation reads
@@ -65,15 +65,19 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     scales = {t: float(np.sqrt(w / max(inputs.mean_square_norm(t), 1e-12))) if cfg.normalize == "run-stats" else 1.0
               for t, w in inputs.widths.items()}
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
-    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first) if cfg.eval_every
-                 else None)
-    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout} for t, s in specs.items()}
+    out = Storage(cfg.out)
+    medians = _medians(cfg, inputs, tensors, out)
+    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first, cfg.max_norm, medians)
+                 if cfg.eval_every else None)
+    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout,
+                **({"median_norm": [m[t] for m in medians],
+                    "norm_limit": [cfg.max_norm * m[t] for m in medians]} if cfg.max_norm else {})}
+            for t, s in specs.items()}
     record = RunRecord(KIND, cfg.to_dict(),
                        {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
                        describe(mesh), stable_hash(cfg.shared_settings()), compute_dtype, details={"saes": saes})
-    distributed.agree({**cfg.shared_settings(), "mesh": record.mesh, "harvest_version": record.harvest_version},
-                      "the SAE training settings")
-    out = Storage(cfg.out)
+    distributed.agree({**cfg.shared_settings(), "mesh": record.mesh, "harvest_version": record.harvest_version,
+                       "median_norms": medians}, "the SAE training settings")
     curves.require(cfg.log_to)
     record = check_run(out, record, "an SAE run")  # the last refusal: nothing is written before it
 
@@ -94,7 +98,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             checkpoints.save(int(state["step"]), state, {"readers": [positions]}, force=True)
 
     batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first, follow=follow,
-                        book=out.child(FOLLOW), on_wait=save_while_waiting)
+                        book=out.child(FOLLOW), on_wait=save_while_waiting, max_norm=cfg.max_norm, medians=medians)
     if restored is None:
         state, saved_at = None, None
     else:
@@ -121,15 +125,29 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
         state, metrics = step_fn(state, batch)
         held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
-        log.step(step, metrics, held)
+        log.step(step, metrics, held, D.left_out(batches) if cfg.max_norm else None)
 
     start = time.monotonic()
     step = run_steps(0 if state is None else int(state["step"]), steps, advance, save, checkpoints=checkpoints,
                      every=cfg.checkpoint_every, saved_at=saved_at, name="harvest-sae-done")
     log.file.close()
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
-            **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction")},
+            **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction", "dead_window")},
+            **({"max_norm": cfg.max_norm, "median_norm": medians, "massive_left_out": log.last.get("massive_left_out"),
+                "massive_share": log.last.get("massive_share")} if cfg.max_norm else {}),
             "seconds": round(time.monotonic() - start, 1)}
+
+
+def _medians(cfg: SaeConfig, inputs: D.Inputs, tensors: list[str], out: Storage) -> list[dict[str, float]]:
+    """Per run, {tensor: median token norm} for --max-norm: as the SAE run recorded them when it started (a
+    resumed run keeps its limits, whatever was committed since), else the runs' own (a seeded sample)."""
+    if not cfg.max_norm:
+        return [{} for _ in inputs.runs]
+    old = read_run(out, KIND, "an SAE run")
+    saes = (old.details or {}).get("saes", {}) if old is not None else {}
+    if all("median_norm" in saes.get(t, {}) for t in tensors):
+        return [{t: float(saes[t]["median_norm"][r]) for t in tensors} for r in range(len(inputs.runs))]
+    return inputs.median_norms(tensors)
 
 
 def _initial_state(cfg: SaeConfig, specs: dict[str, M.Spec], optimizers: dict, shardings: dict,
@@ -158,7 +176,7 @@ class SaeMetrics:
         self._since = (step, time.monotonic())
         self.last: dict[str, Any] = {}
 
-    def step(self, step: int, metrics: dict, held: dict | None = None) -> None:
+    def step(self, step: int, metrics: dict, held: dict | None = None, left_out: tuple[int, int] | None = None) -> None:
         if step % self.cfg.log_every and step != self.cfg.steps and held is None:
             return
         values = {t: {k: float(v) for k, v in m.items()} for t, m in jax.device_get(metrics).items()}
@@ -168,13 +186,23 @@ class SaeMetrics:
         elapsed = max(time.monotonic() - then, 1e-9)
         keys = ("fvu", "l0", "dead_fraction", "aux_loss") + (EVAL_KEYS if held else ())
         mean = {k: float(np.mean([m[k] for m in values.values()])) for k in keys}
-        self.last = {"step": step, "tokens": step * self.cfg.batch_tokens, **mean,
+        window = int(max(m["dead_window"] for m in values.values()))
+        massive = {} if left_out is None else {"massive_left_out": left_out[0],
+                                               "massive_share": left_out[0] / max(left_out[1], 1)}
+        self.last = {"step": step, "tokens": step * self.cfg.batch_tokens, **mean, "dead_window": window, **massive,
                      "tokens_per_s": (step - first) * self.cfg.batch_tokens / elapsed, "time": time.time(),
                      "tensors": values}
         self._since = (step, time.monotonic())
         self.file.append(self.last)
         if self.file.writer:
             print(f"step {step}/{self.cfg.steps}  fvu {mean['fvu']:.4f}  l0 {mean['l0']:.1f}  "
-                  f"dead {mean['dead_fraction']:.1%}  aux {mean['aux_loss']:.3g}  "
+                  f"dead {mean['dead_fraction']:.1%} (none in {_tokens(window)})  aux {mean['aux_loss']:.3g}  "
+                  + (f"left out {massive['massive_left_out']:,} ({massive['massive_share']:.2%}) over "
+                     f"{self.cfg.max_norm:g}x median  " if massive else "") +
                   f"{self.last['tokens_per_s']:,.0f} tokens/s" + (f"  eval fvu {mean['eval_fvu']:.4f} l0 "
                   f"{mean['eval_l0']:.1f} dead {mean['eval_dead_fraction']:.1%}" if held else ""), flush=True)
+
+
+def _tokens(n: int) -> str:
+    """4096 -> '4,096 tokens', 10,000,000 -> '10M tokens'."""
+    return f"{n / 1e6:g}M tokens" if n >= 10**6 and n % 10**5 == 0 else f"{n:,} tokens"

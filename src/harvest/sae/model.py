@@ -232,7 +232,8 @@ def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, mesh: Mesh | N
     if spec.architecture in SPARSE and mesh is None:
         values, indices, pre = encode_sparse(params, x, spec.k)
         out = decode_sparse(params, values, indices)
-        fired = jnp.zeros(spec.latents, bool).at[indices.reshape(-1)].set(True)  # as sparsify counts
+        # fired: active (> 0) on a token, as every other path and `sae eval` count it (a latent top-k picked at 0 is not)
+        fired = jnp.zeros(spec.latents, bool).at[indices.reshape(-1)].max(values.reshape(-1) > 0)
         l0 = jnp.mean(jnp.sum(values > 0, axis=-1).astype(jnp.float32))
     else:
         pre = pre_activations(params, x)

@@ -114,7 +114,13 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
         if "min_active" in metrics:  # batchtopk: a running mean of the smallest value that fired
             smallest = metrics.pop("min_active")
             params["threshold"] = jnp.where(state["step"] == 0, smallest, 0.99 * params["threshold"] + 0.01 * smallest)
-        metrics["dead_fraction"] = jnp.mean((idle >= dead_tokens).astype(jnp.float32))
+        # dead: fired on none of the last W tokens, W = dead_tokens or every token trained while fewer (idle counts
+        # from the first step: a latent that never fired has idle = the tokens trained); `sae eval` counts the same
+        # over the tokens it reads
+        cap = min(dead_tokens, IDLE_CAP)
+        window = jnp.minimum(jnp.minimum(state["step"] + 1, cap // x.shape[0] + 1) * x.shape[0], cap)
+        metrics["dead_fraction"] = jnp.mean((idle >= window).astype(jnp.float32))
+        metrics["dead_window"] = window
         return params, opt_state, idle, metrics
 
     def step(state, batch):

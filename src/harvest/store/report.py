@@ -24,6 +24,7 @@ from harvest.storage import Storage
 from harvest.store.listing import covered_streams, read_chains, read_progress, read_run_info, stream_count
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot, shard_samples
+from harvest.store.stats import RunningStats
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
@@ -249,6 +250,8 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
             tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-", "-")
 
     out: list[RenderableType] = [about, tensors]
+    if run.num_tokens:
+        out.append(massive_table(storage, run))
     first = next((sc for sc in run.shards if sc.samples > 0), None)
     if first is not None:
         sample = next(shard_samples(storage, first, list(run.tensors)))
@@ -267,6 +270,66 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
     else:
         out.append(Text("no committed sample yet", style="dim"))
     return out
+
+
+MASSIVE_RATIO = 20  # inspect's massive activations: tokens over this many times the median L2 norm
+MASSIVE_BYTES = 256 * 2**20  # inspect reads the run's first shards, up to about this many bytes
+
+
+def massive_activations(storage: Storage, run: Snapshot, *, ratio: float = MASSIVE_RATIO,
+                        max_bytes: int = MASSIVE_BYTES) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Where a run's massive activations sit, in its first shards (in (stream, shard) order, whole shards up to
+    about `max_bytes`): (tokens read, {tensor: {median (L2 norm over those tokens), count (tokens over `ratio` x
+    median), positions ({position in its sample: count}), share (of the tokens' variance the massive ones hold),
+    later_share (of the variance of the tokens past each sample's first, the massive ones among them hold:
+    what `--skip-first 1` leaves)}})."""
+    names, rows, read = list(run.tensors), {n: [] for n in run.tensors}, 0
+    positions = []
+    for sc in run.shards:
+        if sc.samples == 0:
+            continue
+        if read and read * sc.bytes / max(sc.tokens, 1) >= max_bytes:
+            break
+        for sample in shard_samples(storage, sc, names):
+            positions.append(np.arange(len(sample.tokens)))
+            for n in names:
+                rows[n].append(np.asarray(sample.activations[n], np.float32))
+        read += sc.tokens
+    where = np.concatenate(positions) if positions else np.zeros(0, np.int64)
+    out = {}
+    for n in names:
+        x = np.concatenate(rows[n]) if rows[n] else np.zeros((0, run.tensors[n]), np.float32)
+        norms = np.sqrt(np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64)))
+        median = float(np.median(norms)) if len(norms) else 0.0
+        massive = norms > ratio * median
+        later = where > 0
+        share = (RunningStats.of(x[massive]).share_of(RunningStats.of(x)) if massive.any() else 0.0)
+        later_share = (RunningStats.of(x[massive & later]).share_of(RunningStats.of(x[later]))
+                       if (massive & later).any() else 0.0)
+        found, counts = np.unique(where[massive], return_counts=True)
+        out[n] = {"median": median, "count": int(massive.sum()), "positions": dict(zip(found.tolist(), counts.tolist())),
+                  "share": share, "later_share": later_share}
+    return len(where), out
+
+
+def massive_table(storage: Storage, run: Snapshot, ratio: float = MASSIVE_RATIO) -> Table:
+    """inspect's table of massive_activations: per tensor, how many, at which positions, their share of variance."""
+    read, found = massive_activations(storage, run, ratio=ratio)
+    table = Table(title=f"massive activations: tokens over {ratio:g}x the median L2 norm, in the first {read:,} tokens "
+                        "(sae train --skip-first N leaves out each sample's first N; --max-norm R every token over "
+                        "R x the median)", title_justify="left")
+    for name in ("tensor", "median norm", "massive", "at position 0", "at later positions (position: count)",
+                 "share of variance", "later positions' share"):
+        table.add_column(name, justify="left" if name in ("tensor", "at later positions (position: count)") else "right")
+    for name, f in found.items():
+        later = {p: c for p, c in f["positions"].items() if p > 0}
+        shown = ", ".join(f"{format_ranges([p])}: {c}" for p, c in list(later.items())[:8])
+        if len(later) > 8:
+            shown += f", ... ({len(later) - 8} more positions, up to {max(later)})"
+        table.add_row(name, f"{f['median']:.4g}", f"{f['count']:,}", f"{f['positions'].get(0, 0):,}",
+                      f"{sum(later.values()):,}" + (f" ({shown})" if later else ""), f"{f['share']:.0%}",
+                      f"{f['later_share']:.0%}")
+    return table
 
 
 def first_token_share(run: Snapshot, name: str) -> str:
