@@ -1,4 +1,5 @@
 """Helpers for the fleet tests: the users' four-region fleet, and SkyPilot's job queue as recorded records.
+The fleets here name neither install nor image, as the README's do: their tasks carry this checkout's wheel.
 
 RecordedJobs stands in for the one boundary no test can reach (SkyPilot's API server and a cloud): it holds
 job records shaped as `sky.jobs.queue_v2` returns them (as JSON, the way SkyJobs receives them) and hands them
@@ -18,7 +19,6 @@ from harvest.fleet.sky import records_from_queue
 FOUR_REGIONS = {
     "name": "arc-qwen05",
     "extract": {"model": "Qwen/Qwen2.5-0.5B", "format": "arc", "points": "resid_post:12-23"},
-    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
     "groups": [
         {"name": "us-central1-v5e", "accelerator": "tpu-v5litepod-8", "regions": ["us-central1"], "workers": 8,
          "spot": True, "streams": "0-7", "out": "gs://activations-us/arc-qwen05", "mesh": "data=8"},
@@ -30,6 +30,13 @@ FOUR_REGIONS = {
          "spot": True, "streams": "auto", "out": "gs://activations-eu/arc-qwen05"},
     ],
 }
+
+
+def built_wheel(root: Path) -> Path:
+    """The checkout's wheel, as `fleet plan --emit` and `fleet up` build it, for task_config's carrying tasks."""
+    from harvest.fleet.carry import build_wheel
+
+    return build_wheel(root)
 
 
 def write_fleet(path: Path, fleet: dict[str, Any]) -> Path:
@@ -75,7 +82,6 @@ def record(job_id: int, name: str, status: str, recoveries: int = 0, region: str
 DECODER_POD = {
     "name": "qwen-pretrain",
     "data": "gs://corpus-us/fineweb-edu-streams",
-    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
     "train": {"model": "Qwen/Qwen2.5-0.5B", "seq_len": 2048, "batch_size": 256, "steps": 20000,
               "mesh": "data=4,model=4,fsdp=2", "checkpoint_every": 500},
     "groups": [{"name": "v4-pod", "accelerator": "tpu-v4-64", "regions": ["us-central2"], "workers": 1,
@@ -83,7 +89,6 @@ DECODER_POD = {
 }
 TRM_POD = {
     "name": "trm-sudoku",
-    "install": "pip install 'harvest[tpu,gcs]==0.2.0'",
     "train": {"model": {"type": "trm", "preset": "trm-sudoku-mlp"}, "batch_size": 768, "checkpoint_every": 1000},
     "groups": [{"name": "v4-pod", "accelerator": "tpu-v4-64", "regions": ["us-central2", "us-east1"],
                 "workers": 1, "out": "gs://checkpoints-us/trm-sudoku"}],
@@ -91,7 +96,6 @@ TRM_POD = {
 SAE_GPUS = {
     "name": "sae-qwen05",
     "data": "gs://activations-us/arc-qwen05,gs://activations-eu/arc-qwen05",
-    "install": "pip install 'harvest[cuda,gcs]==0.2.0'",
     "sae": {"tensors": ["resid_post.12", "resid_post.18"], "expansion": 32, "k": 64, "batch_tokens": 8192},
     "groups": [{"name": "h100s", "accelerator": "H100:8", "num_nodes": 2, "regions": ["us-east4"], "workers": 1,
                 "spot": False, "mesh": "data=2,model=8", "out": "gs://saes-us/qwen05"}],

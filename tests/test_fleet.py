@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fleet_helpers import DECODER_POD, FOUR_REGIONS, SAE_GPUS, TRM_POD, RecordedJobs, record, write_fleet
+from fleet_helpers import DECODER_POD, FOUR_REGIONS, SAE_GPUS, TRM_POD, RecordedJobs, built_wheel, record, write_fleet
 from rich.console import Console
 from storage_servers import create_gcs_bucket
 from test_reader_verify import COUNTS, fake_run
@@ -49,6 +49,12 @@ def streams32(tmp_path_factory, gcs_server) -> str:
     create_gcs_bucket(gcs_server, bucket)
     create_streams(str(source), 32, f"gs://{bucket}/arc-streams")
     return f"gs://{bucket}/arc-streams"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The checkout's wheel, which the fleets here (neither install nor image) carry."""
+    return built_wheel(tmp_path_factory.mktemp("wheel"))
 
 
 @pytest.fixture
@@ -99,6 +105,7 @@ out = []
 for path in sys.argv[1:]:
     task = sky.Task.from_yaml(path)
     out.append({"name": task.name, "num_nodes": task.num_nodes, "setup": task.setup, "run": task.run,
+                "file_mounts": task.file_mounts,
                 "envs": task.envs, "secrets": [ref.name for ref in task.managed_secret_refs], "resources": [
                     {"accelerators": r.accelerators, "use_spot": r.use_spot, "region": r.region,
                      "job_recovery": r.job_recovery} for r in task.resources]})
@@ -126,11 +133,13 @@ def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
     assert main(["fleet", "plan", str(users_fleet), "--emit", str(tmp_path)]) == 0
     plan = make_plan(load_fleet(users_fleet))
     tasks = _load_tasks([tmp_path / f"{w.job_name}.yaml" for w in plan.workers])
+    (wheel,) = tmp_path.glob("harvest_activations-*-py3-none-any.whl")  # the checkout, carried by every task
     parser = build_parser()
     for w, task in zip(plan.workers, tasks, strict=True):
         assert task["name"] == w.job_name == f"arc-qwen05.{w.group.name}.{w.index}"
         assert task["num_nodes"] == 1
-        assert task["setup"] == "pip install 'harvest[tpu,gcs]==0.2.0'"
+        assert task["file_mounts"] == {f"~/.harvest/dist/{wheel.name}": str(wheel)}
+        assert task["setup"] == f'pip install "$HOME/.harvest/dist/{wheel.name}[gcs,tpu]"'
         assert task["envs"] == {"HARVEST_FLEET": "arc-qwen05", "HARVEST_GROUP": w.group.name,
                                 "HARVEST_WORKER_ID": f"arc-qwen05/{w.group.name}/{w.index}"}
         assert {r["region"] for r in task["resources"]} == set(w.group.regions)
@@ -166,15 +175,16 @@ def test_the_sdk_calls_of_harvest_fleet_exist_in_skypilot():
     assert done.returncode == 0 and done.stdout.strip() == "0.14.1", done.stderr[-2000:]
 
 
-def test_multi_node_gpu_group_derives_process_flags_from_skypilot_env(tmp_path, streams32):
+def test_multi_node_gpu_group_derives_process_flags_from_skypilot_env(tmp_path, streams32, wheel):
     """Each node runs the same command; the shell turns SkyPilot's env into --coordinator/--num-processes
     /--process-id (node 0 coordinates). A `harvest` on PATH that prints its argv shows what the CLI gets."""
     fleet = copy.deepcopy(FOUR_REGIONS)
     fleet["groups"] = [{"name": "gpu", "accelerator": "H100:8", "num_nodes": 2, "regions": ["us-east4"],
                         "workers": 1, "streams": "0-31", "out": "s3://acts/run", "mesh": "data=2,model=8"}]
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", {**fleet, "data": streams32})))
-    task = task_config(plan.workers[0], plan.spec)
+    task = task_config(plan.workers[0], plan.spec, wheel)
     assert task["num_nodes"] == 2 and task["resources"]["accelerators"] == "H100:8"
+    assert task["setup"].endswith(f'{wheel.name}[cuda,gcs,s3]"')  # its GPUs' jax, the data's and out's storage
     for rank in (0, 1):
         env = {"SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.9\n", "SKYPILOT_NODE_RANK": str(rank), "SKYPILOT_NUM_NODES": "2"}
         args = build_parser().parse_args(_run_as_host(task, "harvest", tmp_path, env))
@@ -210,7 +220,16 @@ def _edit(fleet: dict, **changes) -> dict:
     ({"g2_workers": 20}, "group us-east5-v6e: 20 workers but only 11 streams"),
     ({"g0_regions": []}, "group us-central1-v5e: regions must be a non-empty list"),
     ({"g0_colour": "red"}, "groups[0]: unknown key colour"),
-    ({"image": "reg/harvest:1"}, "give exactly one of install"),
+    ({"image": "reg/harvest:1", "install": "pip install harvest-activations"}, "give at most one of install"),
+    # the index's `harvest` is another project
+    ({"install": "pip install 'harvest[tpu,gcs]==0.2.0'"},
+     "install: 'harvest[tpu,gcs]==0.2.0' is the package index's harvest, an unrelated project; this one is "
+     "harvest-activations"),
+    ({"install": "pip install harvest"}, "install: 'harvest' is the package index's harvest"),
+    ({"install": "uv pip install -U harvest"}, "install: 'harvest' is the package index's harvest"),
+    # {..., mesh: data=4,model=2} in a flow mapping reads as mesh: data=4 and a key model=2
+    ({"g0_mesh": "data=4", "g0_model=2": None},
+     'groups[0]: unknown key model=2: a value with commas inside {...} needs quotes: mesh: "data=4,model=2"'),
     ({"name": "Arc_Qwen"}, "name 'Arc_Qwen': use lowercase letters"),
     ({"name": "arc--qwen"}, "name 'arc--qwen': use lowercase letters, digits and single dashes"),
     ({"g0_name": "5e"}, "groups[0].name '5e': use lowercase letters, digits and single dashes, starting with a letter"),
@@ -236,7 +255,6 @@ def test_plan_refuses_with_one_line(tmp_path, streams32, capsys, changes, messag
 def _image_fleet(streams32: str, **top) -> dict:
     """The four-region fleet from an image, its first group on H100s (SkyPilot runs those in the image)."""
     fleet = {**_edit(FOUR_REGIONS, g0_accelerator="H100:8", g0_mesh=None), "data": streams32, **top}
-    del fleet["install"]
     fleet["image"] = "registry.example/harvest:0.2.0"
     return fleet
 
@@ -327,7 +345,7 @@ def test_job_names_of_different_fleets_never_meet(tmp_path, streams32):
     assert console.export_text().count("PENDING") == 2  # ab's own jobs, untouched
 
 
-def test_up_passes_the_fleets_secrets_from_its_environment_and_refuses_without_them(tmp_path, streams32,
+def test_up_passes_the_fleets_secrets_from_its_environment_and_refuses_without_them(tmp_path, streams32, wheel,
                                                                                      monkeypatch):
     path = write_fleet(tmp_path / "fleet.yaml", {**FOUR_REGIONS, "data": streams32, "secrets": ["HF_TOKEN"]})
     plan = make_plan(load_fleet(path))
@@ -339,7 +357,7 @@ def test_up_passes_the_fleets_secrets_from_its_environment_and_refuses_without_t
     monkeypatch.setenv("HF_TOKEN", "hf_s3cr3t")
     launched, _ = launch.up(plan, jobs)
     assert len(launched) == 32 and all(t["secrets"] == {"HF_TOKEN": "hf_s3cr3t"} for t in jobs.tasks)
-    assert task_config(plan.workers[0], plan.spec)["secrets"] == {"HF_TOKEN": None}  # what plan writes
+    assert task_config(plan.workers[0], plan.spec, wheel)["secrets"] == {"HF_TOKEN": None}  # what plan writes
 
 
 # up, down and status through recorded job records -------------------------------------------------------------
@@ -378,8 +396,8 @@ def test_status_before_any_output_shows_every_worker_pending(tmp_path, streams32
     console = Console(record=True, width=200)
     assert status.show(plan, jobs, console=console) == 0
     text = console.export_text()
-    assert "arc-qwen05/us-central1-v5e/0" in text and "RECOVERING" in text and "NOT LAUNCHED" in text
-    assert "0/32 streams done" in text and "0/1 workers running" not in text
+    assert "arc-qwen05/us-central1-v5e/0" in text and "RECOVERING" in text and "not launched" in text
+    assert "0/32 streams done" in text and "workers 1 recovering, 31 not launched" in text
 
 
 def test_verify_takes_a_fleets_outputs_as_one_run(tmp_path):
@@ -607,7 +625,6 @@ def test_a_training_job_in_an_image_on_a_tpu_slice_passes_each_hosts_rank_into_t
     """With an image, a TPU host starts the container itself: the process flags, expanded by the host's shell
     from SkyPilot's env, reach harvest inside it (a `docker` on PATH prints what it was given)."""
     fleet = {**TRM_POD, "data": f"{puzzles_bucket}/sudoku4", "image": "registry.example/harvest:0.2.0"}
-    del fleet["install"]
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
     task = task_config(plan.workers[0], plan.spec)
     assert task["setup"] == "docker pull registry.example/harvest:0.2.0" and task["run"].startswith("docker run ")
@@ -641,21 +658,24 @@ def test_status_of_a_running_trainer_that_stopped_logging_is_stale(tmp_path, gcs
     assert status.show(plan, jobs, console=console) == 1
     text = console.export_text()
     row = next(line for line in text.splitlines() if "qwen-pretrain.v4-pod.0" in line)
-    for cell in ("RUNNING", "us-central2", "20/20000", "3.05", "51.2K", "31m ago STALE"):
+    for cell in ("running", "RUNNING", "us-central2", "20/20000", "3.05", "51.2K", "31m ago STALE"):
         assert cell in row, text
-    assert "stale: qwen-pretrain.v4-pod.0 is RUNNING but has logged no metrics" in text
+    assert "stale: qwen-pretrain.v4-pod.0 is running but has logged no metrics" in text
     metrics.append({"step": 30, "loss": 2.95, "tokens_per_s": 50_000.0, "time": time.time()})
     assert status.show(plan, jobs, console=Console(record=True, width=200)) == 0
 
 
-def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path, puzzles_bucket):
+def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path, puzzles_bucket, wheel):
     """`up` launches the slice's one job (its task as plan writes it), a second `up` none; a recovered job is
     left alone; `down` cancels it and a running puzzles build."""
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", DECODER_POD)))
     jobs = RecordedJobs()
     launched, kept = launch.up(plan, jobs)
     assert [w.job_name for w in launched] == ["qwen-pretrain.v4-pod.0"] and not kept
-    assert jobs.tasks == [task_config(plan.workers[0], plan.spec)]
+    # as plan writes it, with the wheel `up` built (and SkyPilot uploaded) in a directory of its own
+    (task,) = jobs.tasks
+    assert list(task["file_mounts"]) == [f"~/.harvest/dist/{wheel.name}"] and not Path(*task["file_mounts"].values()).exists()
+    assert {**task, "file_mounts": None} == {**task_config(plan.workers[0], plan.spec, wheel), "file_mounts": None}
     assert "--process-id \"$SKYPILOT_NODE_RANK\"" in jobs.tasks[0]["run"]
     jobs.records[-1]["status"] = "RECOVERING"
     assert launch.up(plan, jobs) == ([], list(plan.workers))
@@ -666,16 +686,110 @@ def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path,
     assert launch.down(trm, jobs) == [] and jobs.cancelled == ["trm-sudoku.puzzles"]
 
 
-def test_a_gguf_url_is_a_model_every_worker_reads(tmp_path, streams32):
+def test_a_gguf_url_is_a_model_every_worker_reads(tmp_path, streams32, wheel):
     """A llama.cpp checkpoint in the fleet's bucket (or behind https) reaches each worker's --model as given;
     a local .gguf is refused like any local path."""
     url = "gs://arc-us-central1/models/SmolLM2-135M-Instruct.Q4_1.gguf"
     fleet = {**FOUR_REGIONS, "data": streams32, "extract": {**FOUR_REGIONS["extract"], "model": url}}
     plan = make_plan(load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet)))
-    run = task_config(plan.workers[0], plan.spec)["run"]
+    run = task_config(plan.workers[0], plan.spec, wheel)["run"]
     assert f"--model {url}" in run
     local = tmp_path / "m.gguf"
     local.write_bytes(b"GGUF")
     fleet["extract"]["model"] = str(local)
     with pytest.raises(FleetError, match="is a path on this machine"):
         load_fleet(write_fleet(tmp_path / "fleet.yaml", fleet))
+
+
+# status before, during and after a launch ------------------------------------------------------------------------
+
+@pytest.fixture
+def half_done_fleet(tmp_path) -> Path:
+    """8 streams on this machine; group a's two (0, 1) are complete in storage, group b's six not started."""
+    source = tmp_path / "records.jsonl"
+    source.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(sum(COUNTS) * 4)))
+    create_streams(str(source), 8, str(tmp_path / "streams"))
+    done = fake_run(tmp_path, "a-out")
+    return write_fleet(tmp_path / "fleet.yaml", {
+        "name": "st", "data": str(tmp_path / "streams"), "shared_paths": True,
+        "extract": {"model": "Qwen/Qwen2.5-0.5B"},
+        "groups": [{"name": "a", "accelerator": "cpu", "regions": ["r1"], "workers": 2, "streams": "0-1",
+                    "out": done.url},
+                   {"name": "b", "accelerator": "cpu", "regions": ["r2"], "workers": 6, "streams": "2-7",
+                    "out": str(tmp_path / "b-out")}]})
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """The status table's cells by worker id."""
+    return {cells[0]: cells for line in text.splitlines()
+            if (cells := [c.strip() for c in line.strip("│ ").split("│")])[0].startswith("st/")}
+
+
+def test_status_is_one_table_of_every_worker_in_every_state_with_its_storage_progress(half_done_fleet):
+    plan = make_plan(load_fleet(half_done_fleet))
+    jobs = RecordedJobs([record(1, "st.a.0", "SUCCEEDED"), record(2, "st.b.0", "PENDING"),
+                         record(3, "st.b.1", "STARTING"), record(4, "st.b.2", "RUNNING"),
+                         record(5, "st.b.3", "RECOVERING", recoveries=2), record(6, "st.b.4", "FAILED_SETUP"),
+                         record(7, "st.b.5", "CANCELLED")])
+    console = Console(record=True, width=220)
+    assert status.show(plan, jobs, console=console) == 0
+    text = console.export_text()
+    assert text.count("fleet st: 8 workers") == 1 and text.count("┏") == 1, text  # one table
+    rows = _rows(text)
+    states = {wid: cells[3] for wid, cells in rows.items()}
+    assert states == {"st/a/0": "done", "st/a/1": "not launched", "st/b/0": "pending", "st/b/1": "pending",
+                      "st/b/2": "running", "st/b/3": "recovering", "st/b/4": "failed", "st/b/5": "cancelled"}, text
+    assert rows["st/b/4"][4] == "FAILED_SETUP" and rows["st/b/3"][5] == "2" and rows["st/a/1"][4] == "-"
+    assert rows["st/a/1"][7] == "1/1" and rows["st/b/0"][7] == "0/1"  # storage's word, launched or not
+    assert "2/8 streams done" in text
+    assert "workers 1 done, 1 not launched, 2 pending, 1 running, 1 recovering, 1 failed, 1 cancelled" in text
+
+
+@pytest.mark.parametrize("python, error", [
+    (sys.executable, "No module named 'sky'"),  # any failing SDK call
+    ("/nonexistent/python", "cannot run /nonexistent/python"),
+])
+def test_status_when_skypilot_cannot_be_asked_shows_storage_and_its_error_in_one_line(half_done_fleet, capfd,
+                                                                                       monkeypatch, python, error):
+    """The table still comes from storage, every job state is unknown, SkyPilot's error is the one line under
+    it, and the exit code 2."""
+    monkeypatch.setenv("HARVEST_SKYPILOT_PYTHON", python)
+    code = main(["fleet", "status", str(half_done_fleet)])
+    out = capfd.readouterr().out
+    assert code == 2
+    rows = _rows(out)
+    assert {cells[3] for cells in rows.values()} == {"unknown"} and len(rows) == 8, out
+    assert rows["st/a/0"][7] == "1/1"
+    (line,) = [line for line in out.splitlines() if "SkyPilot" in line]
+    assert line.startswith("job states unknown: SkyPilot queue failed") and error in line, line
+
+
+def _skypilot_server_up(python: str, home: Path) -> bool:
+    probe = ("from sky.server import common\n"
+             "print(common.get_api_server_status().status == common.ApiServerStatus.HEALTHY)\n")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(home)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.slow
+def test_status_before_any_launch_with_the_real_skypilot_stops_the_api_server_it_started(half_done_fleet, tmp_path):
+    """The real SDK (no cloud account, a fresh ~/.sky): before any managed job there is no jobs controller and
+    its queue raises ClusterDoesNotExist. `fleet status` shows every worker not launched with storage's
+    progress, exits 0, and stops the local API server its call started (~10 processes otherwise left)."""
+    python = _skypilot()
+    home = tmp_path / "home"
+    home.mkdir()
+    if _skypilot_server_up(python, home):
+        pytest.skip("a SkyPilot API server already runs on this machine; this test must start its own")
+    env = {**os.environ, "HOME": str(home), "HARVEST_SKYPILOT_PYTHON": python}
+    done = subprocess.run([str(Path(sys.executable).parent / "harvest"), "fleet", "status", str(half_done_fleet)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = _rows(done.stdout)
+    assert {cells[3] for cells in rows.values()} == {"not launched"} and len(rows) == 8, done.stdout
+    assert rows["st/a/0"][7] == "1/1" and "2/8 streams done" in done.stdout
+    assert "ClusterDoesNotExist" not in done.stdout + done.stderr
+    assert "stopped the SkyPilot API server this command started" in done.stderr, done.stderr
+    assert not _skypilot_server_up(python, home)

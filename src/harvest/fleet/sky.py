@@ -5,13 +5,19 @@ through `records_from_queue`: no cloud is reachable there.
 SkyPilot cannot share harvest's environment: skypilot 0.14.1 requires click<8.2, and huggingface_hub (>=1.31,
 which transformers 5 needs) click>=8.4.2. So the SDK runs in SkyPilot's own interpreter (a pipx/uv tool
 install, found through `sky` on PATH or $HARVEST_SKYPILOT_PYTHON); requests and answers cross as JSON.
+
+The SDK starts a local API server (about ten processes) when none answers. A harvest command that caused that
+stops it when it exits (`sky api stop`'s call), or says how to. Before the first managed job SkyPilot has no
+jobs controller, and its queue raises ClusterDoesNotExist: that is an empty queue, not an error.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,22 +81,41 @@ class Jobs(Protocol):
 _SDK = r"""
 import json, sys
 import sky
+import sky.exceptions
 import sky.jobs.constants
+from sky.server import common as server_common
 
 op, answer = sys.argv[1], sys.argv[2]
 request = json.loads(sys.stdin.read())
-result = None
-if op == "queue":
-    fields = [*sky.jobs.constants.DEFAULT_MANAGED_JOB_FIELDS, "region"]
-    records, *_ = sky.get(sky.jobs.queue_v2(refresh=True, skip_finished=False, fields=fields))
-    result = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
-elif op == "launch":
-    sky.get(sky.jobs.launch(sky.Task.from_yaml_config(request["task"]), name=request["name"]))
-elif op == "cancel":
-    sky.get(sky.jobs.cancel(name=request["name"]))
-with open(answer, "w") as f:
-    json.dump(result, f)
+
+
+def server_up():
+    server_common.get_api_server_status_response.cache_clear()
+    return server_common.get_api_server_status().status == server_common.ApiServerStatus.HEALTHY
+
+
+result = {"result": None}
+local_down = op != "stop" and server_common.is_api_server_local() and not server_up()
+try:
+    if op == "queue":
+        fields = [*sky.jobs.constants.DEFAULT_MANAGED_JOB_FIELDS, "region"]
+        try:
+            records, *_ = sky.get(sky.jobs.queue_v2(refresh=True, skip_finished=False, fields=fields))
+        except sky.exceptions.ClusterDoesNotExist:  # no jobs controller yet: no managed job was ever launched
+            records = []
+        result["result"] = [r.model_dump(mode="json") if hasattr(r, "model_dump") else r for r in records]
+    elif op == "launch":
+        sky.get(sky.jobs.launch(sky.Task.from_yaml_config(request["task"]), name=request["name"]))
+    elif op == "cancel":
+        sky.get(sky.jobs.cancel(name=request["name"]))
+    elif op == "stop":
+        sky.api_stop()
+finally:
+    result["started_server"] = local_down and server_up()
+    with open(answer, "w") as f:
+        json.dump(result, f)
 """
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def skypilot_python() -> str:
@@ -109,21 +134,48 @@ def skypilot_python() -> str:
 
 
 class SkyJobs:
-    """Jobs through SkyPilot's SDK, run in SkyPilot's interpreter; each call waits for its request."""
+    """Jobs through SkyPilot's SDK, run in SkyPilot's interpreter (found at the first call); each call waits
+    for its request. A local API server that a call started is stopped when this process exits."""
 
     def __init__(self, python: str | None = None):
-        self.python = python or skypilot_python()
+        self._python = python
+        self.started_server = False
+
+    @property
+    def python(self) -> str:
+        if self._python is None:
+            self._python = skypilot_python()
+        return self._python
 
     def _call(self, op: str, request: dict[str, Any]) -> Any:
         with tempfile.TemporaryDirectory(prefix="harvest-sky-") as tmp:
             answer = os.path.join(tmp, "answer.json")
-            done = subprocess.run([self.python, "-c", _SDK, op, answer], input=json.dumps(request), text=True,
-                                  stdout=sys.stderr, stderr=subprocess.PIPE)
+            try:
+                done = subprocess.run([self.python, "-c", _SDK, op, answer], input=json.dumps(request), text=True,
+                                      stdout=sys.stderr, stderr=subprocess.PIPE)
+            except (FileNotFoundError, PermissionError) as e:  # no such interpreter, or not one
+                raise UserError(f"SkyPilot {op} failed: cannot run {self.python} ({e.strerror}); set "
+                                f"HARVEST_SKYPILOT_PYTHON to SkyPilot's python") from None
+            result = {}
+            if os.path.exists(answer):
+                with open(answer) as f:
+                    result = json.load(f)
+            if result.get("started_server") and not self.started_server:
+                self.started_server = True
+                atexit.register(self.stop_server)
             if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+                last = (_ANSI.sub("", done.stderr).strip().splitlines() or ["no message"])[-1]
                 raise UserError(f"SkyPilot {op} failed ({self.python}): {last}")
-            with open(answer) as f:
-                return json.load(f)
+            return result["result"]
+
+    def stop_server(self) -> None:
+        """Stop the local API server a call of this process started (SkyPilot's `sky api stop`)."""
+        try:
+            self._call("stop", {})
+            print("stopped the SkyPilot API server this command started", file=sys.stderr)
+        except UserError as e:
+            print(f"this command started SkyPilot's API server and could not stop it ({e}); stop it with "
+                  f"`sky api stop`", file=sys.stderr)
 
     def queue(self) -> list[JobRecord]:
         return records_from_queue(self._call("queue", {}))

@@ -228,28 +228,29 @@ def _mapping(raw: Any, where: str, what: str, keys: set[str]) -> dict[str, Any]:
     unknown = sorted(str(k) for k in raw if k not in keys)
     split = _split_value(raw, keys)
     if split:
-        raise FleetError(f"{where}: {what}: unknown key {split[1]}: a value with commas inside {{...}} needs "
-                         f"quotes: {split[0]}: \"{split[1]}\"")
+        key, strays = split
+        raise FleetError(f"{where}: {what}: unknown key{'s' * (len(strays) > 1)} {', '.join(strays)}: a value with "
+                         f"commas inside {{...}} needs quotes: {key}: \"{','.join([str(raw[key]), *strays])}\"")
     if unknown:
         raise FleetError(f"{where}: {what}: unknown key{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
                          f"(known: {', '.join(sorted(keys))})")
     return raw
 
 
-def _split_value(raw: dict, keys: set[str]) -> tuple[str, str] | None:
+def _split_value(raw: dict, keys: set[str]) -> tuple[str, list[str]] | None:
     """A flow mapping's unquoted value split at its commas (`{mesh: data=16,model=4}` reads as mesh: data=16
-    and a key model=4 with no value): the known key and its whole value, or None."""
-    items = [(str(k), v) for k, v in raw.items()]
+    and a key model=4 with no value): the known key and the keys its value's rest became, or None."""
+    items = list(raw.items())
     for i in range(1, len(items)):
         key, value = items[i]
         if key in keys or value is not None or items[i - 1][0] not in keys:
             continue
-        parts = [str(items[i - 1][1])]
+        strays = []
         for key, value in items[i:]:
             if key in keys or value is not None:
                 break
-            parts.append(key)
-        return items[i - 1][0], ",".join(parts)
+            strays.append(str(key))
+        return items[i - 1][0], strays
     return None
 
 

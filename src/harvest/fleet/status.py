@@ -1,5 +1,8 @@
-"""`harvest fleet status`: one table per group, a row per worker, joining SkyPilot's job state with what
-storage says of the worker's streams (committed sidecars, progress.json), then fleet totals and an ETA.
+"""`harvest fleet status`: one table, a row per worker, joining SkyPilot's job state (not launched, pending,
+running, recovering, done, failed, cancelled) with what storage says of the worker's streams (committed
+sidecars, progress.json), then fleet totals and an ETA. Storage is read whatever SkyPilot says: before the
+first launch (no jobs controller yet) every worker is not launched; when SkyPilot cannot be asked, the states
+are unknown, its error is one line under the table and the command exits 2.
 A stream whose worker has not reported for a while is stale: the command says so and exits 1.
 A training fleet (train:, sae:) shows its one job instead: step, loss, tokens/s and the last checkpoint,
 from the run's own records in its bucket (harvest.fleet.progress); stale when running but silent."""
@@ -19,12 +22,42 @@ from rich.text import Text
 
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progress
+from harvest.errors import UserError
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
 from harvest.store.report import RunScanner, human_age, human_bytes, human_count, status_rows
 
-_JOB_STYLE = {"RUNNING": "green", "RECOVERING": "yellow", "SUCCEEDED": "green", "PENDING": "dim", "STARTING": "cyan"}
+# A worker's state from its job's ManagedJobStatus (sky/jobs/state.py); every FAILED_* status is "failed".
+_STATES = {"PENDING": "pending", "SUBMITTED": "pending", "STARTING": "pending", "RUNNING": "running",
+           "RECOVERING": "recovering", "SUCCEEDED": "done", "CANCELLING": "cancelled", "CANCELLED": "cancelled"}
+_STATE_STYLE = {"running": "green", "recovering": "yellow", "done": "green", "pending": "cyan",
+                "not launched": "dim", "unknown": "dim"}
+
+
+def job_state(job: JobRecord | None, known: bool = True) -> str:
+    """not launched, pending, running, recovering, done, failed or cancelled; unknown when SkyPilot could not
+    be asked."""
+    if not known:
+        return "unknown"
+    if job is None:
+        return "not launched"
+    return _STATES.get(job.status, "failed" if job.status.startswith("FAILED") else job.status.lower())
+
+
+@dataclasses.dataclass(frozen=True)
+class Queue:
+    """SkyPilot's managed jobs by name, or the one line saying why they could not be read."""
+
+    jobs: dict[str, JobRecord]
+    error: str | None = None
+
+    @classmethod
+    def read(cls, jobs: Jobs) -> Queue:
+        try:
+            return cls({job.name: job for job in jobs.queue()})
+        except UserError as e:
+            return cls({}, str(e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +65,11 @@ class WorkerStatus:
     worker: Worker
     job: JobRecord | None
     streams: list[dict[str, Any]]  # harvest.store.report.status_rows, one per stream of the worker
+    known: bool = True  # SkyPilot answered
 
     @property
     def state(self) -> str:
-        return self.job.status if self.job else "NOT LAUNCHED"
+        return job_state(self.job, self.known)
 
     @property
     def stale(self) -> list[int]:
@@ -53,6 +87,7 @@ class WorkerStatus:
 class FleetStatus:
     plan: Plan
     workers: list[WorkerStatus]
+    error: str | None = None  # SkyPilot's, in one line
 
     @property
     def stale(self) -> list[tuple[Worker, list[int]]]:
@@ -70,15 +105,16 @@ class TrainingStatus:
     progress: TrainingProgress
     build: JobRecord | None  # the puzzles build's job, where the fleet has one
     now: float
+    error: str | None = None  # SkyPilot's, in one line
 
     @property
     def state(self) -> str:
-        return self.job.status if self.job else "NOT LAUNCHED"
+        return job_state(self.job, self.error is None)
 
     @property
     def stale(self) -> bool:
         age = self.progress.age(self.now)
-        return self.state == "RUNNING" and age is not None and age > STALE_AFTER_S
+        return self.state == "running" and age is not None and age > STALE_AFTER_S
 
     @property
     def finished(self) -> bool:
@@ -86,10 +122,10 @@ class TrainingStatus:
 
 
 def training_status(plan: Plan, jobs: Jobs, *, now: float | None = None) -> TrainingStatus:
-    queued = {job.name: job for job in jobs.queue()}
+    queue = Queue.read(jobs)
     (worker,) = plan.workers
-    return TrainingStatus(plan, queued.get(worker.job_name), read_progress(worker.group.out),
-                          queued.get(plan.build.job_name) if plan.build else None, now or time.time())
+    return TrainingStatus(plan, queue.jobs.get(worker.job_name), read_progress(worker.group.out),
+                          queue.jobs.get(plan.build.job_name) if plan.build else None, now or time.time(), queue.error)
 
 
 def render_training(status: TrainingStatus) -> list[RenderableType]:
@@ -97,13 +133,13 @@ def render_training(status: TrainingStatus) -> list[RenderableType]:
     (worker,) = plan.workers
     g = worker.group
     table = Table(title=f"{g.name}: {g.accelerator} in {', '.join(g.regions)} -> {g.out}", title_justify="left")
-    for name in ("job", "state", "region", "recoveries", "step", p.loss_name, "tokens/s", "checkpoint",
+    for name in ("job", "state", "skypilot", "region", "recoveries", "step", p.loss_name, "tokens/s", "checkpoint",
                  "last metrics"):
-        table.add_column(name, justify="left" if name in ("job", "state", "region") else "right")
+        table.add_column(name, justify="left" if name in ("job", "state", "skypilot", "region") else "right")
     steps = plan.training.steps
     age = p.age(status.now)
-    table.add_row(worker.job_name, Text(status.state, style=_JOB_STYLE.get(status.state, "red")),
-                  (job.region if job else None) or "-", str(job.recoveries if job else "-"),
+    table.add_row(worker.job_name, Text(status.state, style=_STATE_STYLE.get(status.state, "red")),
+                  job.status if job else "-", (job.region if job else None) or "-", str(job.recoveries if job else "-"),
                   "-" if p.step is None else f"{p.step}/{steps if steps is not None else '?'}",
                   "-" if p.loss is None else f"{p.loss:.4g}",
                   human_count(p.tokens_per_s) if p.tokens_per_s else "-",
@@ -111,12 +147,17 @@ def render_training(status: TrainingStatus) -> list[RenderableType]:
                   Text(human_age(age) + (" STALE" if status.stale else ""), style="bold red" if status.stale else ""))
     out: list[RenderableType] = [table]
     if plan.build is not None:
-        state = status.build.status if status.build else ("done before" if plan.build.present else "NOT LAUNCHED")
+        state = "done before" if plan.build.present and status.build is None else \
+            job_state(status.build, status.error is None)
         out.append(Text(f"puzzles build {plan.build.job_name}: {state} -> {plan.build.out}"))
     if status.stale:
-        out.append(Text(f"stale: {worker.job_name} is RUNNING but has logged no metrics to {g.out} for "
+        out.append(Text(f"stale: {worker.job_name} is running but has logged no metrics to {g.out} for "
                         f"{human_age(age).replace(' ago', '')}", style="bold red"))
-    return out
+    return out + _error_line(status.error)
+
+
+def _error_line(error: str | None) -> list[RenderableType]:
+    return [] if error is None else [Text(f"job states unknown: {error}", style="bold red")]
 
 
 def _pending(stream: int, total: int | None) -> dict[str, Any]:
@@ -136,13 +177,14 @@ def _group_rows(out: str, streams: list[int], counts: tuple[int, ...] | None, no
 
 def fleet_status(plan: Plan, jobs: Jobs, *, now: datetime | None = None) -> FleetStatus:
     now = now or datetime.now(timezone.utc)
-    queued = {job.name: job for job in jobs.queue()}
+    queue = Queue.read(jobs)
     out: list[WorkerStatus] = []
     for group in plan.spec.groups:
         workers = plan.group_workers(group.name)
         rows = _group_rows(group.out, sorted(s for w in workers for s in w.streams), plan.counts, now)
-        out += [WorkerStatus(w, queued.get(w.job_name), [rows[s] for s in w.streams]) for w in workers]
-    return FleetStatus(plan, out)
+        out += [WorkerStatus(w, queue.jobs.get(w.job_name), [rows[s] for s in w.streams], queue.error is None)
+                for w in workers]
+    return FleetStatus(plan, out, queue.error)
 
 
 def _eta(records: float, total: float | None, tokens: float, rate: float) -> str:
@@ -163,65 +205,69 @@ def _sum_total(rows: list[WorkerStatus]) -> float | None:
 
 
 def render(status: FleetStatus) -> list[RenderableType]:
-    out: list[RenderableType] = []
-    for group in status.plan.spec.groups:
-        rows = [w for w in status.workers if w.worker.group.name == group.name]
-        table = Table(title=f"{group.name}: {group.accelerator} in {', '.join(group.regions)} -> {group.out}",
-                      title_justify="left")
-        for name in ("worker", "job", "region", "recoveries", "streams", "done", "records", "tokens/s", "bytes/s",
-                     "last commit", "eta"):
-            table.add_column(name, justify="left" if name in ("worker", "job", "region") else "right")
-        for w in rows:
-            ages = [r["age"] for r in w.streams if r["age"] is not None]
-            stale = w.stale
-            table.add_row(w.worker.worker_id, Text(w.state, style=_JOB_STYLE.get(w.state, "red")),
-                          (w.job.region if w.job else None) or "-", str(w.job.recoveries if w.job else "-"),
-                          format_ranges(w.worker.streams),
-                          f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
-                          human_count(w.total("rate")) if w.total("rate") else "-",
-                          human_bytes(w.total("byte_rate")) if w.total("byte_rate") else "-",
-                          Text(human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
-                                                                           if stale else ""),
-                               style="bold red" if stale else ""),
-                          _eta(w.total("records"), _sum_total([w]), w.total("tokens"), w.total("rate")))
-        out.append(table)
+    spec = status.plan.spec
+    outs = {g.out for g in spec.groups}
+    table = Table(title=f"fleet {spec.name}: {len(status.workers)} workers" +
+                  (f" -> {next(iter(outs))}" if len(outs) == 1 else ""), title_justify="left")
+    for name in ("worker", "accelerator", "region", "state", "skypilot", "recoveries", "streams", "done", "records",
+                 "tokens/s", "bytes/s", "last commit", "eta"):
+        table.add_column(name, justify="left" if name in ("worker", "accelerator", "region", "state", "skypilot")
+                         else "right")
+    for w in status.workers:
+        ages = [r["age"] for r in w.streams if r["age"] is not None]
+        stale, job, g = w.stale, w.job, w.worker.group
+        table.add_row(w.worker.worker_id, g.accelerator, (job.region if job else None) or ",".join(g.regions),
+                      Text(w.state, style=_STATE_STYLE.get(w.state, "red")), job.status if job else "-",
+                      str(job.recoveries if job else "-"), format_ranges(w.worker.streams),
+                      f"{w.done}/{len(w.streams)}", _records(w.total("records"), _sum_total([w])),
+                      human_count(w.total("rate")) if w.total("rate") else "-",
+                      human_bytes(w.total("byte_rate")) if w.total("byte_rate") else "-",
+                      Text(human_age(min(ages) if ages else None) + (f" STALE {format_ranges(stale)}"
+                                                                       if stale else ""),
+                           style="bold red" if stale else ""),
+                      _eta(w.total("records"), _sum_total([w]), w.total("tokens"), w.total("rate")))
+    out: list[RenderableType] = [table]
+    if len(outs) > 1:
+        out += [Text(f"{g.name}: {g.accelerator} in {', '.join(g.regions)} -> {g.out}") for g in spec.groups]
     ws = status.workers
     records, tokens, rate, byte_rate = (sum(w.total(k) for w in ws) for k in ("records", "tokens", "rate", "byte_rate"))
     done, streams = sum(w.done for w in ws), sum(len(w.streams) for w in ws)
-    running = sum(w.state == "RUNNING" for w in ws)
-    line = (f"fleet {status.plan.spec.name}: {done}/{streams} streams done, "
+    states: dict[str, int] = {}
+    for w in ws:
+        states[w.state] = states.get(w.state, 0) + 1
+    line = (f"fleet {spec.name}: {done}/{streams} streams done, "
             f"records {_records(records, _sum_total(ws))}, "
             f"{human_count(rate) if rate else 0} tokens/s ({human_bytes(byte_rate)}/s stored), "
-            f"{running}/{len(ws)} workers running, "
+            f"workers {', '.join(f'{n} {state}' for state, n in states.items())}, "
             f"eta {_eta(records, _sum_total(ws), tokens, rate)}")
     out.append(Text(line, style="bold"))
     for worker, stale in status.stale:
         out.append(Text(f"stale: {worker.worker_id} has not committed to streams {format_ranges(stale)} "
                         f"in {worker.group.out} for a while (job {next(w.state for w in ws if w.worker is worker)})",
                         style="bold red"))
-    return out
+    return out + _error_line(status.error)
 
 
 def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
          console: Console | None = None, now: datetime | None = None) -> int:
     """Print the status (live with `watch`, until every stream is done, or the training job ends); 1 when a
-    stream or the trainer is stale."""
+    stream or the trainer is stale, 2 when SkyPilot could not be asked."""
     console = console or Console()
     if plan.training is not None:
         read, draw = (lambda: training_status(plan, jobs)), render_training
     else:
         read, draw = (lambda: fleet_status(plan, jobs, now=now)), render
     status = read()
-    if not watch:
+    if watch:
+        try:
+            with Live(Renderables(*draw(status)), console=console, refresh_per_second=1) as live:
+                while not status.finished:
+                    time.sleep(interval)
+                    status = read()
+                    live.update(Renderables(*draw(status)))
+        except KeyboardInterrupt:
+            pass
+    else:
         for renderable in draw(status):
             console.print(renderable)
-        return 1 if status.stale else 0
-    try:
-        with Live(Renderables(*draw(status)), console=console, refresh_per_second=1) as live:
-            while not status.finished:
-                time.sleep(interval)
-                status = read()
-                live.update(Renderables(*draw(status)))
-    except KeyboardInterrupt:
-        pass
-    return 1 if status.stale else 0
+    return 2 if status.error else 1 if status.stale else 0
