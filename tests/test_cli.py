@@ -98,7 +98,7 @@ def test_harvest_runs_from_a_source_tree_that_was_never_installed(tmp_path):
     code = ("import importlib.metadata as m, sys\n"
             "real = m.version\n"
             "def version(name):\n"
-            "    if name == 'harvest':\n"
+            "    if name in ('harvest', 'harvest-activations'):\n"  # the distribution's name, and its old one
             "        raise m.PackageNotFoundError(name)\n"
             "    return real(name)\n"
             "m.version = version\n"
