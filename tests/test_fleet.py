@@ -674,7 +674,8 @@ def test_up_and_down_of_a_training_fleet_launch_and_cancel_its_one_job(tmp_path,
     assert [w.job_name for w in launched] == ["qwen-pretrain.v4-pod.0"] and not kept
     # as plan writes it, with the wheel `up` built (and SkyPilot uploaded) in a directory of its own
     (task,) = jobs.tasks
-    assert list(task["file_mounts"]) == [f"~/.harvest/dist/{wheel.name}"] and not Path(*task["file_mounts"].values()).exists()
+    (source,) = task["file_mounts"].values()
+    assert list(task["file_mounts"]) == [f"~/.harvest/dist/{wheel.name}"] and not Path(source).exists()
     assert {**task, "file_mounts": None} == {**task_config(plan.workers[0], plan.spec, wheel), "file_mounts": None}
     assert "--process-id \"$SKYPILOT_NODE_RANK\"" in jobs.tasks[0]["run"]
     jobs.records[-1]["status"] = "RECOVERING"

@@ -28,10 +28,12 @@ NUM_STREAMS = 32  # the four-region fleet's (harvest streams create ... --num-st
 
 
 def _fleets() -> list[Block]:
-    return [b for b in blocks("yaml") if isinstance(yaml.safe_load(b.text), dict) and "groups" in yaml.safe_load(b.text)]
+    """The YAML blocks that are whole fleets (train.yaml and the like are not)."""
+    return [b for b in blocks("yaml") if isinstance(parsed := yaml.safe_load(b.text), dict) and "groups" in parsed]
 
 
 def _fragments() -> list[Block]:
+    """Groups shown on their own: a YAML list."""
     return [b for b in blocks("yaml") if isinstance(yaml.safe_load(b.text), list)]
 
 

@@ -20,9 +20,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from harvest.errors import UserError
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progress
-from harvest.errors import UserError
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
