@@ -145,9 +145,32 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             if e.exit_code != 2:  # lost a stream (3: nothing of it is ours to touch), or retry later (75)
                 raise
             # Bad input met on the way (--strict) or a refusal: streams this worker never wrote go back as they were.
-            raise UserError(f"{e}; {_leave_untouched(out, leases, created_run, existed, cfg.strict)}") from None
+            left = _leave_untouched(out, leases, created_run, existed)
+            if isinstance(e, StrictStop):
+                left = left or ("the shards committed before the stop are kept and the leases released; the run is "
+                                "incomplete (`harvest status` shows where each stream stopped): rerun without "
+                                "--strict to resume, skipping and recording bad inputs, or fix the data and rerun "
+                                "with --overwrite")
+            if not left:
+                raise
+            raise UserError(f"{e}; {left}") from None
         finally:
             leases.release_all()
+
+
+class StrictStop(UserError):
+    """--strict met a bad input (harvest.data.batching names it): the run stops there, exit 2."""
+
+
+def _strict_stops(events: Iterator) -> Iterator:
+    """The stream's events, where --strict's stop at a bad input (a plain UserError from the pieces; storage's
+    own errors are StorageErrors) becomes a StrictStop."""
+    try:
+        yield from events
+    except UserError as e:
+        if type(e) is not UserError:
+            raise
+        raise StrictStop(str(e)) from None
 
 
 def _take_leases(out: Storage, leases: Leases, streams: list[int]) -> None:
@@ -163,24 +186,21 @@ def _take_leases(out: Storage, leases: Leases, streams: list[int]) -> None:
                         "was written)") from None
 
 
-def _leave_untouched(out: Storage, leases: Leases, created_run: bool, existed: bool, strict: bool) -> str:
-    """After a stop on bad input: the held streams that hold nothing but their lease are removed (Leases.
-    drop_untouched), then run.json where this process created it and no stream is left (one process: another
-    may still hold its streams), then --out itself where this command made it. Returns what is left, said for
-    the user: nothing, or a run whose committed shards stay and that a rerun resumes."""
+def _leave_untouched(out: Storage, leases: Leases, created_run: bool, existed: bool) -> str | None:
+    """After a stop on bad input or a refusal once the leases were taken: the held streams that hold nothing but
+    their lease are removed (Leases.drop_untouched), then run.json where this process created it and no stream
+    is left (one process: another may still hold its streams), then --out itself where this command made it.
+    Says so when nothing is left of the command; None when something is."""
     leases.drop_untouched()
     try:
         if created_run and jax.process_count() == 1 and not _streams_beyond(out, 0):
             out.delete(fmt.RUN_JSON)
-            if existed or out.remove_empty_dir():
-                return "nothing was written (--out is as it was)"
+            if not existed:
+                out.remove_empty_dir()  # made by this command's first write
+            return "nothing was written (--out is as it was)"
     except UserError as e:
         log.warning("could not remove run.json after the stop (%s)", e)
-    left = "the shards committed before the stop are kept and the leases released: a rerun resumes from them"
-    if strict:
-        left += (" (the run is incomplete; `harvest status` shows where each stream stopped): rerun without "
-                 "--strict to skip and record bad inputs, or fix the data and rerun with --overwrite")
-    return left
+    return None
 
 
 def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -266,6 +286,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
         events = stream_pieces(records, render, encode, first_index=point.row_start[0],
                                max_seq_len=cfg.max_seq_len, long=cfg.long, strict=cfg.strict,
                                sample_error=prompts.SampleError)
+        if cfg.strict:
+            events = _strict_stops(events)
         return pack_stream(events, cfg.max_seq_len, skip_before=point.row_start)
 
     start = time.monotonic()
