@@ -90,8 +90,8 @@ class Progress:
             total = sum(t for t in self.totals.values() if t is not None)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
         of = f"/{total}" if known else ""
-        return (f"records {done}{of} read, samples {sum(self.samples.values())} computed from them, {rate:,.0f} "
-                f"tokens/s, shards {self.shards} committed")
+        return (f"records {done}{of} read, samples {sum(self.samples.values())}, {rate:,.0f} tokens/s, "
+                f"shards {self.shards} committed")
 
     @contextlib.contextmanager
     def display(self):
@@ -105,7 +105,7 @@ class Progress:
 
         known = all(t is not None for t in self.totals.values())
         total = sum(t for t in self.totals.values() if t is not None) if known else None
-        with Bar(TextColumn("extract"), BarColumn(), TextColumn("{task.description}"), TimeRemainingColumn()) as bar:
+        with Bar(TextColumn("extract"), BarColumn(bar_width=20), TextColumn("{task.description}"), TimeRemainingColumn()) as bar:
             task = bar.add_task(self.line(), total=total, completed=sum(self.records.values()))
 
             def refresh():
