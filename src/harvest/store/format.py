@@ -16,6 +16,8 @@ OUT/stream_00003/gen_GENERATION/shard_...          a stream's shards after an --
                                                    generation of its own (named in lease.json), whose sidecars
                                                    and data objects lie in their own directory
 ```
+Stream numbers are written with 5 digits and shard numbers with 6, zero-padded, and with as many as they need
+beyond (stream_100000, shard_1000000): every number has one name, and the listing reads them all.
 A stream is a sequence of *pieces*: (index, variant), index = the record's line in the stream,
 variant = which of the pieces a record gave (ARC augmentations, chunks of a long text). A shard
 holds a contiguous run of one stream's pieces; its sidecar records `start`/`next` (positions) and
