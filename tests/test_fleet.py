@@ -419,8 +419,8 @@ def test_verify_takes_a_fleets_outputs_as_one_run(tmp_path):
     shutil.rmtree(b / "stream_00001")
     reports = verify_all([str(a), str(b)])
     assert reports[-1].problems == [
-        f"stream_00000/: written in 2 outputs ({a}, {b}); a stream belongs to exactly one worker",
-        "stream_00001/: in none of the 2 outputs (never started)"]
+        f"stream_00000/: written in 2 outputs ({a}, {b}); a stream belongs to exactly one worker"]
+    assert reports[-1].unfinished == ["stream_00001/: in none of the 2 outputs (never started)"]
 
 
 # training jobs: a decoder and a TRM on a v4-64, SAEs on two GPU nodes -------------------------------------------

@@ -346,7 +346,10 @@ def test_plain_source_of_unknown_length(tmp_path):
     assert [row["total"] for row in status_rows(run.url)] == [6]
     _delete(_last(0, run) + ".safetensors", _last(0, run) + ".json")(run)
     assert [row["total"] for row in status_rows(run.url)] == [6]  # from progress.json while running
-    assert [line.split(": ")[1] for line in verify(run.url).problems] == ["no final shard after this one"]
+    report = verify(run.url)
+    assert not report.problems and [line.split(": ")[1] for line in report.unfinished] == [
+        "no final shard after this one"]
+    assert report.summary.startswith(f"INCOMPLETE {run.url}: 1 stream not finished, every committed shard checks")
 
 
 def test_verify_incomplete_stream_and_stray_stream(run):

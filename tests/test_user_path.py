@@ -107,6 +107,9 @@ def test_a_strict_stop_after_commits_keeps_them_frees_its_streams_and_a_rerun_re
     chain = read_chain(st, 0)  # strict: one contiguous chain, each shard continuing the one before
     assert chain and not chain[-1].final and chain[-1].next[0] <= 350
     assert not [p for p in out.rglob("*") if TMP_MARK in p.name]
+    stopped = verify(str(out))  # incomplete, not failed: every committed byte checks
+    assert not stopped.problems and len(stopped.unfinished) == 2, stopped.lines()
+    assert stopped.summary.startswith(f"INCOMPLETE {out}: 2 streams not finished"), stopped.summary
 
     resumed = run_harvest(*extract(model, streams, str(out)), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -142,8 +145,9 @@ def test_a_full_disk_exits_75_keeps_nothing_half_written_and_the_rerun_resumes(s
     assert not [p for p in full.rglob("*") if TMP_MARK in p.name]
     chain = read_chain(Storage(str(full)), 0)
     assert chain and not chain[-1].final
-    problems = verify(str(full)).problems
-    assert len(problems) == 1 and "stream incomplete" in problems[0], problems
+    report = verify(str(full))
+    assert not report.problems and len(report.unfinished) == 1, report.lines()
+    assert "stream incomplete" in report.unfinished[0] and report.summary.startswith("INCOMPLETE"), report.lines()
     assert int((tmp_path / "second.rc").read_text()) == 0, (tmp_path / "second.err").read_text()[-3000:]
     report = verify(str(final))
     assert report.ok and report.records == 400 and report.shards > len(chain), report.lines()

@@ -47,13 +47,15 @@ class Problems:
         return [f"{url.rstrip('/')}/{rel}: {message}" for rel, message in sorted(self.found, key=lambda p: p[0])]
 
 
-def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems, report: Totals) -> None:
-    """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage."""
+def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems, report: Totals,
+                 unfinished: Problems) -> None:
+    """A stream's shards as a sequence: numbered 0, 1, ..., contiguous, one final shard; then coverage. A stream
+    never started, or whose chain has no final shard yet, goes to `unfinished`: a resume goes on from it."""
     data = info.data
     num_streams = data["num_streams"]
     count = None if data.get("counts") is None else data["counts"][s]
     if not shards:
-        problems.add(fmt.stream_dir(s) + "/", "no committed shard: the stream was never started"
+        unfinished.add(fmt.stream_dir(s) + "/", "no committed shard: the stream was never started"
                      + (f" ({count} records)" if count is not None else ""))
         return
     gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
@@ -89,9 +91,9 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
     last = shards[-1].sidecar
     if final_seen is None:
         total = f" of {count}" if count is not None else ""
-        problems.add(fmt.sidecar_path(s, shards[-1].k),
-                     f"no final shard after this one: stream incomplete ({last.records}{total} records "
-                     f"read, committed through {list(last.next)})")
+        unfinished.add(fmt.sidecar_path(s, shards[-1].k),
+                       f"no final shard after this one: stream incomplete ({last.records}{total} records "
+                       f"read, committed through {list(last.next)})")
         end = last.next[0]
     else:
         final = next(sh.sidecar for sh in shards if sh.k == final_seen)

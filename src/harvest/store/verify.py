@@ -1,7 +1,9 @@
 """`harvest verify`: is every record of every stream in the run exactly once, and is every byte as committed?
 
 Each problem is one line naming the file it concerns (`URL/stream_00003/shard_000012.json: ...`); the report
-ends with a summary line. A run passes when the list is empty (the CLI exits 0, else 1). Checks, per run:
+ends with a summary line: OK, INCOMPLETE (every committed byte checks, but a stream was never started or has
+no final shard yet: a worker stopped, preempted or still running; rerunning its extraction resumes it) or
+FAILED. The CLI exits 0 on OK, else 1. Checks, per run:
 
 - run.json is there, parses, and has tensors {name: width}, a known dtype and a data section whose
   num_streams/counts say which streams (and how many records each) the run covers;
@@ -57,10 +59,11 @@ class Report(Totals):
     streams: int = 0
     leftovers: list[str] = dataclasses.field(default_factory=list)  # data objects no sidecar names
     ended: list[str] = dataclasses.field(default_factory=list)  # what ended generations still hold
+    unfinished: list[str] = dataclasses.field(default_factory=list)  # streams not started or without a final shard
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not self.unfinished
 
     @property
     def summary(self) -> str:
@@ -70,10 +73,14 @@ class Report(Totals):
                 + (f", {len(self.ended)} files of ended generations" if self.ended else ""))
         if self.ok:
             return f"OK {self.url}: {what}"
+        if not self.problems:
+            n = len(self.unfinished)
+            return (f"INCOMPLETE {self.url}: {n} stream{'s' * (n != 1)} not finished, every committed shard "
+                    f"checks ({what}); rerun the extraction to resume")
         return f"FAILED {self.url}: {len(self.problems)} problem{'s' * (len(self.problems) != 1)} ({what})"
 
     def lines(self) -> list[str]:
-        return [*self.problems,
+        return [*self.problems, *self.unfinished,
                 *_first(self.url, self.leftovers, "leftover, committed by no sidecar (deleted by the stream's next "
                                                   "writer)", "leftovers"),
                 *_first(self.url, self.ended, "in an ended generation, read by nothing (a writer stalled across "
@@ -94,7 +101,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
     """Check one run (see the module doc); `workers` shards are read and checked at a time. `only`: check
     just these streams, the part of a split run one output holds (see verify_split)."""
     storage = url if isinstance(url, Storage) else Storage(str(url))
-    report, problems = Report(url=storage.url), Problems()
+    report, problems, unfinished = Report(url=storage.url), Problems(), Problems()
     info = check_run_info(storage, problems)
     if info is not None:
         streams = covered_streams(info)
@@ -117,8 +124,8 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
             named = {sh.sidecar.file for sh in shards}
             report.leftovers += [fmt.data_path(s, name, listing[s][2]) for name in listing[s][1] if name not in named]
             report.ended += listing[s][3]
-            check_stream(info, s, shards, problems, report)
-    report.problems = problems.lines(storage.url)
+            check_stream(info, s, shards, problems, report, unfinished)
+    report.problems, report.unfinished = problems.lines(storage.url), unfinished.lines(storage.url)
     return report
 
 
@@ -323,7 +330,7 @@ def verify_split(storages: list[Storage], split: tuple[list[int], list[set[int]]
     for s in streams:
         where = [st.url for st, h in zip(storages, held) if s in h]
         if not where:
-            whole.problems.append(f"{fmt.stream_dir(s)}/: in none of the {len(storages)} outputs (never started)")
+            whole.unfinished.append(f"{fmt.stream_dir(s)}/: in none of the {len(storages)} outputs (never started)")
         elif len(where) > 1:
             whole.problems.append(f"{fmt.stream_dir(s)}/: written in {len(where)} outputs ({', '.join(where)}); "
                                   f"a stream belongs to exactly one worker")
