@@ -21,7 +21,9 @@ import contextlib
 import io
 import json
 import re
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +42,8 @@ TREATMENT: dict[str, tuple] = {
     "make demo": (MAKE,),
     "make test": (MAKE,),
     # ## Extracting
-    "harvest extract --model Qwen/Qwen2.5-0.5B --data fineweb/*.parquet": (RUN, ["--batch-size", "2"]),
+    "harvest extract --model Qwen/Qwen2.5-0.5B --data fineweb/*.parquet": (RUN, ["--max-seq-len", "512", "--batch-size",
+                                                                              "2"]),
     "harvest status gs://my-bucket/qwen05-fineweb": (RUN, []),
     "harvest verify gs://my-bucket/qwen05-fineweb": (RUN, []),
     "harvest inspect gs://my-bucket/qwen05-fineweb": (RUN, []),
@@ -62,7 +65,7 @@ TREATMENT: dict[str, tuple] = {
     # ## Training: the pod command also runs here on one host, its mesh on the 8 test devices, a small shape
     "gcloud compute tpus tpu-vm scp train.yaml": (POD, None, None),
     "gcloud compute tpus tpu-vm ssh my-v4-32": (POD, ("tpu-v4-32", 1), [
-        "--mesh", "data=2,fsdp=2,model=2", "--tokenizer", "{model}", "--seq-len", "64", "--batch-size", "8",
+        "--mesh", "fsdp=2,model=2", "--tokenizer", "{model}", "--seq-len", "64", "--batch-size", "8",
         "--grad-accum", "2", "--steps", "2", "--warmup", "1", "--checkpoint-every", "1", "--log-every", "1",
         "--shape", json.dumps({"model_type": "llama", "vocab_size": 320, "hidden_size": 64,
                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -236,17 +239,13 @@ class Shell:
             arg = f"{self.root}{arg}"
         return str(self.model) if models and HUB_MODEL.fullmatch(arg) else arg
 
-    def harvest(self, argv: list[str]) -> tuple[int, str]:
-        """`harvest ARGV` in-process in `root`: (exit code, stdout + stderr)."""
-        from harvest.cli import main
-
-        out = io.StringIO()
-        with contextlib.chdir(self.root), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                code = main(argv)
-            except SystemExit as e:
-                code = e.code
-        return code, out.getvalue()
+    def harvest(self, argv: list[str], devices: int = 2) -> tuple[int, str]:
+        """`harvest ARGV` as a user runs it, in `root`, on `devices` CPU devices (2 cores here: more fake devices
+        only slow a small job down): (exit code, stdout; stderr too when it failed)."""
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        done = subprocess.run([sys.executable, "-m", "harvest", *argv], cwd=self.root, env=env, capture_output=True,
+                              text=True, timeout=600)
+        return done.returncode, done.stdout + (f"\n--- stderr:\n{done.stderr}" if done.returncode else "")
 
     def run(self, argv: list[str]) -> str:
         """A RUN command of the README (argv as the README has it), once; its output."""
@@ -271,7 +270,7 @@ class Shell:
         key = key_of(argv)
         if key not in self.done:
             line = [self.local(a).replace("{model}", str(self.model)) for a in inner(argv)[1:] + TREATMENT[key][2]]
-            code, output = self.harvest(line)
+            code, output = self.harvest(line, devices=4)
             assert code == 0, f"harvest {shlex.join(line)} (README: {shlex.join(argv)}) exited {code}:\n{output}"
             self.done[key] = output
         return self.done[key]
@@ -334,7 +333,14 @@ def test_extracting(world):
     assert "wrote" in outputs[0] and "mlp_out" not in outputs[0]
     status, verify, inspect = outputs[1:]
     assert "done" in status and verify.startswith("OK") and "resid_post.23" in inspect
-    assert "…" not in inspect and "…" not in status  # a log's tables hold whole cells: 200 columns
+    assert "…" not in inspect  # a log's tables hold whole cells: 200 columns
+
+
+@pytest.mark.xfail(strict=True, reason="harvest status --watch prints through report.watch's Console(), 80 columns "
+                   "on a pipe or a log (issue 35.5), where harvest status and inspect take 200")
+def test_status_watch_in_a_log_keeps_whole_cells(world):
+    (argv,) = [argv for argv in _block("harvest extract --model Qwen/Qwen2.5-0.5B --data fineweb/") if "--watch" in argv]
+    assert "…" not in world.run(argv)
 
 
 def test_streams_and_workers(world):
@@ -470,7 +476,7 @@ def test_feeding_sparsify(fineweb):
 
     (block,) = _python("SparseCoder(")
     ns = _exec(block, {"__run_url__": fineweb, "run": harvest.open(fineweb)})
-    assert np.isfinite(float(ns["out"].fvu))
+    assert np.isfinite(float(ns["out"].fvu.detach()))
 
 
 def test_the_torch_and_jax_loaders(fineweb):
