@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--k", type=int, default=32, help="TopK k (default 32)")
     p.add_argument("--tail", type=int, default=50, help="last training steps the FVU spread is taken over (default 50)")
     p.add_argument("--eval-tokens", type=int, default=20_000, help="held-out tokens for FVU (default 20,000)")
+    p.add_argument("--common", type=float, default=10.0,
+                   help="every row's SAE is also measured on the held-out tokens at or below this many times the "
+                        "median norm, the same tokens for every rule (default 10)")
     p.add_argument("--sets", default="text,arc", help="data sets to measure (default text,arc)")
     p.add_argument("--reuse", action="store_true", help="keep the data and runs already in --work")
     p.add_argument("--extract-only", action="store_true", help="stop after the extraction")
@@ -99,7 +102,7 @@ def extract(args: argparse.Namespace, work: Path) -> tuple[str, dict[str, str], 
 
 def rules(ratios: list[float]) -> list[tuple[str, list[str]]]:
     """(the row's name, the sae train flags of its rule)."""
-    out = [("nothing left out", []), ("--skip-first 1", ["--skip-first", "1"])]
+    out = [("nothing left out", ["--max-norm", "0"]), ("--skip-first 1", ["--skip-first", "1", "--max-norm", "0"])]
     out += [(f"--max-norm {r:g}", ["--max-norm", f"{r:g}"]) for r in ratios]
     out.append((f"--skip-first 1 --max-norm {ratios[len(ratios) // 2]:g}",
                 ["--skip-first", "1", "--max-norm", f"{ratios[len(ratios) // 2]:g}"]))
@@ -122,13 +125,23 @@ def sae_row(args: argparse.Namespace, work: Path, checkpoint: str, run: str, nam
         if ce_texts:
             measure += ["--model", checkpoint, "--data", ce_texts, "--max-seq-len", "256"]
         (out / "done.json").write_text(harvest(*measure, capture=True))
+    common = out / f"common-{args.common:g}.json"
+    if not common.exists():  # every row's SAE on the same held-out tokens: those at or below C x the median
+        code = ("import json, sys; from harvest.sae.evaluate import evaluate; print(json.dumps(evaluate(sys.argv[1], "
+                "tokens=int(sys.argv[2]), skip_first=0, max_norm=float(sys.argv[3]))))")
+        print(f"$ python -c 'evaluate({str(out)!r}, skip_first=0, max_norm={args.common:g})'", flush=True)
+        flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+        common.write_text(subprocess.run([sys.executable, "-c", code, str(out), str(args.eval_tokens), str(args.common)],
+                                         env={**os.environ, "XLA_FLAGS": flags.strip()}, stdout=subprocess.PIPE,
+                                         text=True, check=True).stdout)
+    same = json.loads(common.read_text())["tensors"][TENSOR]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     tail = np.asarray([r["fvu"] for r in records[-args.tail:]])
     ev = json.loads((out / "done.json").read_text())["tensors"][TENSOR]
     last = records[-1]
     ce = ev.get("downstream", {})
     return {"data": name, "rule": key, "fvu_std": float(tail.std()), "fvu_range": float(tail.max() - tail.min()),
-            "fvu_train": float(tail.mean()), "fvu_eval": ev["fvu"], "dead_train": last["dead_fraction"],
+            "fvu_train": float(tail.mean()), "fvu_eval": ev["fvu"], "fvu_common": same["fvu"], "dead_train": last["dead_fraction"],
             "dead_train_window": last.get("dead_window"), "dead_eval": ev["dead_fraction"],
             "dead_eval_window": ev.get("dead_window", ev["tokens"]), "eval_tokens": ev["tokens"],
             "left_out_train": last.get("massive_share"), "left_out_eval": ev.get("massive_left_out"),
@@ -136,14 +149,15 @@ def sae_row(args: argparse.Namespace, work: Path, checkpoint: str, run: str, nam
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| data | rule | FVU train (mean, last {n}) | FVU step-to-step std / max-min | held-out FVU | "
-            "dead: training (window) | dead: eval (window) | left out of training | CE loss recovered |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| data | rule | FVU train (mean, last {n} steps) | FVU step-to-step std / max-min | held-out FVU (the "
+            "rule's tokens) | held-out FVU (tokens <= {c}x median, every row) | dead: training (window) | dead: eval "
+            "(window) | left out of training | CE loss recovered |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         left = "-" if r["left_out_train"] is None else f"{r['left_out_train']:.2%}"
         ce = "-" if r["ce"] is None else f"{r['ce']:.3f}"
         lines.append(f"| {r['data']} | {r['rule']} | {r['fvu_train']:.3f} | {r['fvu_std']:.3f} / {r['fvu_range']:.3f} | "
-                     f"{r['fvu_eval']:.3f} | {r['dead_train']:.1%} ({r['dead_train_window']:,}) | "
+                     f"{r['fvu_eval']:.3f} | {r['fvu_common']:.3f} | {r['dead_train']:.1%} ({r['dead_train_window']:,}) | "
                      f"{r['dead_eval']:.1%} ({r['dead_eval_window']:,}) | {left} | {ce} |")
     return "\n".join(lines)
 
@@ -162,7 +176,7 @@ def main() -> None:
             rows.append(sae_row(args, work, checkpoint, runs[name], name, ce_texts if name == "text" else None, key,
                                 flags))
             print(json.dumps(rows[-1]), flush=True)
-    text = table(rows).replace("{n}", str(args.tail))
+    text = table(rows).replace("{n}", str(args.tail)).replace("{c}", f"{args.common:g}")
     (work / "table.md").write_text(text + "\n")
     (work / "rows.json").write_text(json.dumps(rows, indent=1))
     print(text)

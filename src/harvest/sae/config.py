@@ -14,6 +14,7 @@ from harvest.train.config import TrainConfig
 
 _TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
 ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
+DEFAULT_MAX_NORM = 10.0  # --max-norm's default R (bench/outliers.py; README "Massive activations")
 
 
 def _like_train(name: str, default: Any, help: str | None = None):
@@ -58,10 +59,11 @@ class SaeConfig(RunSettings):
     skip_first: int = setting("leave out each sample's first N tokens (attention sinks, whose norms dwarf the rest) "
                               "from training, and from `sae eval` (its reconstruction and the CE splice)", 0,
                               minimum=0)
-    max_norm: float = setting("leave out every token whose L2 norm exceeds R x the run's median token norm "
-                              "(massive activations, wherever they sit; the median from a seeded sample of the run, "
-                              "recorded in run.json) from training, and from `sae eval` (its reconstruction and the "
-                              "CE splice); 0 = off", 0.0, minimum=0)
+    max_norm: float | None = setting("leave out every token whose L2 norm exceeds R x the run's median token norm "
+                                     "(massive activations, wherever they sit; the median from a seeded sample of "
+                                     "the run, recorded in run.json) from training, and from `sae eval` (its "
+                                     f"reconstruction and the CE splice); default {DEFAULT_MAX_NORM:g} (off with "
+                                     "--follow: no median yet); 0 = off", None, minimum=0)
     follow: bool = setting("train while `harvest extract` still writes --run: the first epoch takes each shard once as "
                            "it is committed, waits (saying for what) when it has read every committed shard, and ends "
                            "when every stream of the run is complete; later epochs read the whole run, reshuffled. A "
@@ -114,6 +116,13 @@ class SaeConfig(RunSettings):
         return self.lr if self.lr is not None else 2e-4 / math.sqrt(latents / 2**14)
 
     @property
+    def norm_ratio(self) -> float:
+        """--max-norm's R in force: as given, else the default (0, off, with --follow)."""
+        if self.max_norm is not None:
+            return float(self.max_norm)
+        return 0.0 if self.follow else DEFAULT_MAX_NORM
+
+    @property
     def steps(self) -> int:
         return self.tokens // self.batch_tokens
 
@@ -128,7 +137,7 @@ class SaeConfig(RunSettings):
         if self.follow and self.normalize == "run-stats":
             raise ConfigError("--normalize run-stats needs the whole run's statistics, which --follow does not have "
                               "until the run is complete; use --normalize none, or train once the run is complete")
-        if self.follow and self.max_norm:
+        if self.follow and self.max_norm:  # the default is off with --follow
             raise ConfigError("--max-norm needs the run's median token norm, which a run followed may not hold yet; "
                               "use --skip-first, or train once the run is complete")
         if self.follow and self.eval_every:

@@ -14,7 +14,7 @@ from harvest.config import str_list
 from harvest.errors import UserError
 from harvest.read.run import open_run
 from harvest.sae import model as M
-from harvest.sae.export import load_sae_run, spec_of
+from harvest.sae.export import load_sae_run, spec_of, trained_max_norm
 from harvest.sae.splice import ce_loss_recovered
 
 BINS = np.arange(-8, 1)  # log10 of the firing frequency: 1e-8 ... 1 (and "never")
@@ -35,13 +35,13 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
     info, step, params = load_sae_run(url, step)
     if skip_first is None:
         skip_first = int(info["config"].get("skip_first", 0))
-    if max_norm is None:
-        max_norm = float(info["config"].get("max_norm", 0) or 0)
+    by_default = max_norm is None
     urls = [run_url] if run_url else str_list(info["config"]["run"])
     results = {}
     for name, p in params.items():
         sae = info["saes"][name]
         spec = spec_of(sae)
+        ratio = trained_max_norm(info, name) if by_default else float(max_norm)
         streams = None if run_url else sae["holdout_streams"]
         if streams is not None and not any(streams):
             raise UserError(f"{url} was trained with no --holdout-streams: give --run RUN (tokens it did not read)")
@@ -55,7 +55,7 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
             if name not in run.tensors:
                 raise UserError(f"{run.url} holds no {name}; it holds {', '.join(run.tensors)}")
             recorded = sae.get("median_norm") if not run_url else None
-            rule = {} if not max_norm else {"max_norm": max_norm, "median_norm": recorded[r] if recorded else None}
+            rule = {} if not ratio else {"max_norm": ratio, "median_norm": recorded[r] if recorded else None}
             reader = run.token_batches(batch, [name], seed=info["config"]["seed"], dtype="float32",
                                        streams=None if streams is None else streams[r], skip_first=skip_first,
                                        **rule)
@@ -80,11 +80,11 @@ def evaluate(url: str, run_url: str | None = None, *, tokens: int = 100_000, bat
         results[name] = {"fvu": sq_err / max(var, 1e-12), "l0": l0 / seen, "dead_fraction": float(np.mean(counts == 0)),
                          "dead_window": seen, "tokens": seen, "skip_first": skip_first,
                          "firing_histogram": {f"1e{lo}..1e{lo + 1}": int(n) for lo, n in zip(BINS[:-1], histogram)}}
-        if max_norm:
-            results[name].update(max_norm=max_norm, median_norm=medians, massive_left_out=massive,
+        if ratio:
+            results[name].update(max_norm=ratio, median_norm=medians, massive_left_out=massive,
                                  massive_share=massive / max(considered, 1))
         if model is not None:
             results[name]["downstream"] = ce_loss_recovered(model, data, name, p, spec, tokens=tokens,
                                                             max_seq_len=max_seq_len, skip_first=skip_first,
-                                                            norm_limit=max_norm * medians[0] if max_norm else None)
+                                                            norm_limit=ratio * medians[0] if ratio else None)
     return {"step": step, "tensors": results}

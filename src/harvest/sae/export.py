@@ -52,6 +52,12 @@ def load_sae_run(url: str, step: int | None = None) -> tuple[dict[str, Any], int
     return info, step, params
 
 
+def trained_max_norm(info: dict[str, Any], name: str) -> float:
+    """The --max-norm R an SAE was trained with (0: off), as its run.json records it (older runs: none)."""
+    sae = info["saes"][name]
+    return float(sae["max_norm"] if "max_norm" in sae else info["config"].get("max_norm") or 0)
+
+
 def spec_of(sae: dict[str, Any]) -> M.Spec:
     return M.Spec(*(sae[f] for f in M.Spec._fields))
 
@@ -69,7 +75,7 @@ def export(url: str, out: str, fmt: str, step: int | None = None) -> dict[str, A
         write(target, name, spec, p)
         # What the loaders' configs have no field for: the tokens the SAE never saw, to leave out when using it.
         kept = {"sae_run": url, "step": step, "tensor": name, "skip_first": int(info["config"].get("skip_first", 0)),
-                "max_norm": float(info["config"].get("max_norm", 0) or 0)}
+                "max_norm": trained_max_norm(info, name)}
         if kept["max_norm"]:  # tokens over max_norm x median_norm (the L2 norm, per training run) were left out
             kept.update(median_norm=info["saes"][name]["median_norm"], norm_limit=info["saes"][name]["norm_limit"])
         (target / "harvest.json").write_text(json.dumps(kept, indent=1))

@@ -67,11 +67,11 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     out = Storage(cfg.out)
     medians = _medians(cfg, inputs, tensors, out)
-    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first, cfg.max_norm, medians)
+    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first, cfg.norm_ratio, medians)
                  if cfg.eval_every else None)
-    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout,
+    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout, "max_norm": cfg.norm_ratio,
                 **({"median_norm": [m[t] for m in medians],
-                    "norm_limit": [cfg.max_norm * m[t] for m in medians]} if cfg.max_norm else {})}
+                    "norm_limit": [cfg.norm_ratio * m[t] for m in medians]} if cfg.norm_ratio else {})}
             for t, s in specs.items()}
     record = RunRecord(KIND, cfg.to_dict(),
                        {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
@@ -98,7 +98,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             checkpoints.save(int(state["step"]), state, {"readers": [positions]}, force=True)
 
     batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first, follow=follow,
-                        book=out.child(FOLLOW), on_wait=save_while_waiting, max_norm=cfg.max_norm, medians=medians)
+                        book=out.child(FOLLOW), on_wait=save_while_waiting, max_norm=cfg.norm_ratio, medians=medians)
     if restored is None:
         state, saved_at = None, None
     else:
@@ -125,7 +125,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
         state, metrics = step_fn(state, batch)
         held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
-        log.step(step, metrics, held, D.left_out(batches) if cfg.max_norm else None)
+        log.step(step, metrics, held, D.left_out(batches) if cfg.norm_ratio else None)
 
     start = time.monotonic()
     step = run_steps(0 if state is None else int(state["step"]), steps, advance, save, checkpoints=checkpoints,
@@ -133,15 +133,15 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     log.file.close()
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
             **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction", "dead_window")},
-            **({"max_norm": cfg.max_norm, "median_norm": medians, "massive_left_out": log.last.get("massive_left_out"),
-                "massive_share": log.last.get("massive_share")} if cfg.max_norm else {}),
+            **({"max_norm": cfg.norm_ratio, "median_norm": medians, "massive_left_out": log.last.get("massive_left_out"),
+                "massive_share": log.last.get("massive_share")} if cfg.norm_ratio else {}),
             "seconds": round(time.monotonic() - start, 1)}
 
 
 def _medians(cfg: SaeConfig, inputs: D.Inputs, tensors: list[str], out: Storage) -> list[dict[str, float]]:
     """Per run, {tensor: median token norm} for --max-norm: as the SAE run recorded them when it started (a
     resumed run keeps its limits, whatever was committed since), else the runs' own (a seeded sample)."""
-    if not cfg.max_norm:
+    if not cfg.norm_ratio:
         return [{} for _ in inputs.runs]
     old = read_run(out, KIND, "an SAE run")
     saes = (old.details or {}).get("saes", {}) if old is not None else {}
@@ -198,7 +198,7 @@ class SaeMetrics:
             print(f"step {step}/{self.cfg.steps}  fvu {mean['fvu']:.4f}  l0 {mean['l0']:.1f}  "
                   f"dead {mean['dead_fraction']:.1%} (none in {_tokens(window)})  aux {mean['aux_loss']:.3g}  "
                   + (f"left out {massive['massive_left_out']:,} ({massive['massive_share']:.2%}) over "
-                     f"{self.cfg.max_norm:g}x median  " if massive else "") +
+                     f"{self.cfg.norm_ratio:g}x median  " if massive else "") +
                   f"{self.last['tokens_per_s']:,.0f} tokens/s" + (f"  eval fvu {mean['eval_fvu']:.4f} l0 "
                   f"{mean['eval_l0']:.1f} dead {mean['eval_dead_fraction']:.1%}" if held else ""), flush=True)
 
