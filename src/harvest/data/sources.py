@@ -3,7 +3,7 @@
 A source spec is a local file or directory (its data files, sorted; `.`/`_` files ignored), a glob
 (`data/**/*.parquet`, sorted), an fsspec URL with or without a glob (`gs://bucket/fw/*.parquet`, `s3://...`,
 `hf://datasets/o/n/*.parquet`), or `hf://NAME[:CONFIG]:SPLIT`, a hub dataset streamed by `datasets`
-(`pip install harvest[hub]`).
+(the hub extra: `pip install -e '.[hub]'` in harvest's checkout).
 
 File kinds, by extension (optionally compressed `.gz` `.bz2` `.xz` `.zst`):
 - `.jsonl` / `.ndjson`: one JSON object per line. EVERY line is a record, blank ones included (they come
@@ -35,6 +35,7 @@ from typing import Any
 
 from harvest.errors import UserError
 from harvest.storage import Storage
+from harvest.version import install_extra
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet",
            ".txt": "text", ".text": "text"}
@@ -313,7 +314,7 @@ def _read_hub(f: SourceFile, skip: int):
     try:
         import datasets
     except ImportError:
-        raise UserError(f"{f.path}: hub datasets need the `datasets` library: pip install harvest[hub] "
+        raise UserError(f"{f.path}: hub datasets need the `datasets` library: {install_extra('hub')} "
                         "(or pip install datasets)") from None
     try:
         ds = datasets.load_dataset(name, config, split=split, streaming=True)

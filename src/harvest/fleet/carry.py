@@ -3,7 +3,7 @@ wheel of the working tree (uncommitted changes included), each task's file_mount
 the task's setup installs it with the extras that host needs: its accelerator's jax (tpu, cuda), the storage
 its URLs name (gcs, s3), the trainers' optax and orbax (train), a hub dataset's reader (hub), a logger (logging).
 
-The distribution is `harvest-activations` (harvest.fleet.spec.DISTRIBUTION): the package index's `harvest` is
+The distribution is `harvest-activations` (harvest.version.DISTRIBUTION): the package index's `harvest` is
 another project, so no task ever installs harvest by name. The wheel is built from a copy of the checkout's
 pyproject.toml, README.md and src/harvest, so the build writes nothing into the working tree.
 """
@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harvest.fleet.spec import DISTRIBUTION, FleetError, FleetSpec
+from harvest.fleet.spec import FleetError, FleetSpec
+from harvest.version import DISTRIBUTION
 
 WHEEL_DIR = "~/.harvest/dist"  # where a task's file_mounts put the wheel on each host
 _KIND_EXTRA = {"tpu": "tpu", "gpu": "cuda", "cpu": None}

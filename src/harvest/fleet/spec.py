@@ -24,6 +24,7 @@ from typing import Any
 from harvest.config import read_yaml
 from harvest.errors import UserError
 from harvest.train.trm.config import PRESETS as TRM_PRESETS
+from harvest.version import DISTRIBUTION
 
 # Job names join names with dots (harvest.fleet.plan.Worker.job_name): a name holds none, so no two
 # (fleet, group) pairs give one job name; a leading letter and single dashes keep it a SkyPilot task name.
@@ -118,8 +119,6 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     return FleetSpec(where, name, data, job, settings, groups, puzzles, install, image, envs, secrets, shared)
 
 
-# The distribution's name: the package index's `harvest` is an unrelated project (a 2014 command-line tool).
-DISTRIBUTION = "harvest-activations"
 _PIP_INSTALL = re.compile(r"(?:^|[\s;&|(])(?:uv\s+)?(?:pip3?|python3?\s+-m\s+pip)\s+install\s+([^;&|]*)")
 _REQUIREMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(?=$|[\[=<>!~;@\s])")
 

@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from harvest.storage.errors import StorageError
+from harvest.version import install_extra
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def _gcs(emulator: bool, zonal: str | None) -> Any:
         import gcsfs
         import gcsfs.core
     except ImportError as e:
-        raise StorageError(f"gs:// needs gcsfs ({e}); pip install 'harvest[gcs]'") from None
+        raise StorageError(f"gs:// needs gcsfs ({e}); {install_extra('gcs')}") from None
     # gcsfs's zonal/HNS support (the default) probes each bucket over gRPC, which an emulator does not
     # serve (a minute per bucket): there, unless the user asked for it, use the plain JSON-API class.
     if (zonal is not None and zonal.lower() not in ("true", "1")) or (emulator and zonal is None):
@@ -95,7 +96,7 @@ def _s3(endpoint: str | None, region: str | None) -> Any:
     try:
         import s3fs
     except ImportError as e:
-        raise StorageError(f"s3:// needs s3fs ({e}); pip install 'harvest[s3]'") from None
+        raise StorageError(f"s3:// needs s3fs ({e}); {install_extra('s3')}") from None
     client_kwargs: dict[str, Any] = {}
     if endpoint:  # botocore reads AWS_ENDPOINT_URL itself too; explicit here so the cache key is honest
         client_kwargs["endpoint_url"] = endpoint

@@ -56,7 +56,7 @@ class TrainConfig(RunSettings):
     log_to: str | None = setting("also send process 0's metrics (those of RUN/metrics.jsonl) to Weights & Biases "
                                  "(project $WANDB_PROJECT, default harvest; a resumed run continues the same W&B "
                                  "run, its id kept in run.json) or to TensorBoard (RUN/tensorboard/, one event file a "
-                                 "resumed run continues); needs pip install 'harvest[logging]'", None,
+                                 "resumed run continues); needs the logging extra (pip install -e '.[logging]' in harvest's checkout)", None,
                                  choices=LOG_TO)
     coordinator: str | None = _like_extract("coordinator", None)
     num_processes: int | None = _like_extract("num_processes", None)

@@ -1,6 +1,6 @@
 """Training curves where users look at them (`--log-to`): process 0 sends each record it writes to metrics.jsonl
 to Weights & Biases or to a TensorBoard event file as well. The packages stay optional (pip install
-'harvest[logging]'): imported only when the flag names them, and a missing one is refused before the run starts.
+the logging extra): imported only when the flag names them, and a missing one is refused before the run starts.
 
 A resumed run continues the same curves: the W&B run whose id the run's record (run.json) keeps, resumed;
 the event file RUN/tensorboard/events.out.tfevents.0.harvest, rewritten (like metrics.jsonl) from the records
@@ -16,6 +16,7 @@ from typing import Any
 from harvest.config import stable_hash
 from harvest.errors import UserError
 from harvest.storage import Storage
+from harvest.version import install_extra
 
 LOG_TO = ("wandb", "tensorboard")
 EVENT_FILE = "tensorboard/events.out.tfevents.0.harvest"  # TensorBoard finds event files by "tfevents" in the name
@@ -30,7 +31,7 @@ def require(log_to: str | None) -> None:
         __import__(_PACKAGES[log_to])
     except ImportError:
         raise UserError(f"--log-to {log_to}: the {_PACKAGES[log_to]} package is not installed; "
-                        "pip install 'harvest[logging]' (or leave --log-to out)") from None
+                        f"{install_extra('logging')} (or leave --log-to out)") from None
 
 
 def scalars(record: dict[str, Any], prefix: str = "") -> dict[str, float]:
