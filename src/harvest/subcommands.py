@@ -123,7 +123,7 @@ def status(args: argparse.Namespace) -> int:
 
     table = training.training_status(args.url)  # None: an extraction run
     if args.watch:
-        (report if table is None else training).watch(args.url, args.interval)
+        (report if table is None else training).watch(args.url, args.interval, console=_console())
     else:
         _console().print(report.status_table(args.url) if table is None else table)
     return 0
@@ -181,8 +181,6 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def _console():
-    """rich's console for tables: a terminal's width, or 200 columns for a pipe or a log (rich would take 80 and
-    fold every cell, URLs and counts included)."""
-    from rich.console import Console
+    from harvest.console import table_console
 
-    return Console(width=None if sys.stdout.isatty() else 200)
+    return table_console()

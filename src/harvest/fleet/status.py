@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from harvest.console import table_console
 from harvest.errors import UserError
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progress
@@ -252,7 +253,7 @@ def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
          console: Console | None = None, now: datetime | None = None) -> int:
     """Print the status (live with `watch`, until every stream is done, or the training job ends); 1 when a
     stream or the trainer is stale, 2 when SkyPilot could not be asked."""
-    console = console or Console()
+    console = console or table_console()
     if plan.training is not None:
         read, draw = (lambda: training_status(plan, jobs)), render_training
     else:

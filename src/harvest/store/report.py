@@ -19,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from harvest.console import table_console
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
 from harvest.store.listing import covered_streams, read_chains, read_progress, read_run_info, stream_count
@@ -189,7 +190,7 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
 def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None,
           until_done: bool = True) -> None:
     """Refresh the status table every `interval` seconds until every stream is done (or Ctrl-C)."""
-    console = console or Console()
+    console = console or table_console()
     scanner = RunScanner(url)
     try:
         with Live(status_table(scanner, max_rows=max(console.height - 8, 4)), console=console,

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from harvest.console import table_console
 from harvest.storage import Storage
 from harvest.store.report import as_storage, human_age, human_count, seconds_since
 from harvest.train import step_parts
@@ -82,7 +83,7 @@ def _trm_status(storage: Storage, info: dict, last: dict, steps: list[int], now:
 
 def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None) -> None:
     """Refresh a training run's table every `interval` seconds until Ctrl-C."""
-    console = console or Console()
+    console = console or table_console()
     try:
         with Live(training_status(url), console=console, refresh_per_second=4, transient=False) as live:
             while True:
