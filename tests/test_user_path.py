@@ -28,6 +28,7 @@ from harvest.fleet.plan import RETRYABLE_EXIT_CODES
 from harvest.storage import Storage
 from harvest.store import format as fmt
 from harvest.store.listing import list_stream_dirs, read_chain, sidecar_numbers
+from harvest.store.report import status_rows
 from harvest.store.verify import verify
 
 SETTINGS = ("--points", "resid_post:1", "--max-seq-len", "64", "--shard-size", "20KB", "--batch-size", "4")
@@ -110,6 +111,7 @@ def test_a_strict_stop_after_commits_keeps_them_frees_its_streams_and_a_rerun_re
     stopped = verify(str(out))  # incomplete, not failed: every committed byte checks
     assert not stopped.problems and len(stopped.unfinished) == 2, stopped.lines()
     assert stopped.summary.startswith(f"INCOMPLETE {out}: 2 streams not finished"), stopped.summary
+    assert [(r["stream"], r["state"]) for r in status_rows(str(out))] == [(0, "stopped"), (1, "pending")]
 
     resumed = run_harvest(*extract(model, streams, str(out)), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

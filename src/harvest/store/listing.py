@@ -191,6 +191,15 @@ def read_progress(storage: Storage, stream: int) -> Progress | None:
         return None
 
 
+def read_lease(storage: Storage, stream: int) -> LeaseRecord | None:
+    """A stream's lease.json, for show only: None when absent or unreadable (the writers judge it themselves)."""
+    rel = fmt.lease_path(stream)
+    try:
+        return LeaseRecord.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
+    except (ValueError, UserError):
+        return None
+
+
 def _map(fn, items: list, threads: int) -> list:
     if len(items) <= 1 or threads <= 1:
         return [fn(item) for item in items]

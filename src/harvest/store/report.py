@@ -22,7 +22,8 @@ from rich.text import Text
 from harvest.console import table_console
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
-from harvest.store.listing import covered_streams, read_chains, read_progress, read_run_info, stream_count
+from harvest.store.listing import (covered_streams, read_chains, read_lease, read_progress, read_run_info,
+                                   stream_count)
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot, shard_samples
 from harvest.store.stats import RunningStats
@@ -95,7 +96,9 @@ class RunScanner:
         chains = self._chains = read_chains(self.storage, self.streams, strict=False, known=self._sidecars)
         with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(self.streams)))) as pool:
             progress = list(pool.map(lambda s: read_progress(self.storage, s), self.streams))
-        return [{"stream": s, "committed": chains[s], "progress": p} for s, p in zip(self.streams, progress)]
+            leases = list(pool.map(lambda s: read_lease(self.storage, s), self.streams))
+        return [{"stream": s, "committed": chains[s], "progress": p, "lease": lease}
+                for s, p, lease in zip(self.streams, progress, leases)]
 
 
 def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any]:
@@ -110,6 +113,8 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
         state = "done"
     elif not committed and not progress:
         state = "pending"
+    elif scanned["lease"] is not None and scanned["lease"].released:
+        state = "stopped"  # its worker ended (--strict, SIGTERM, a full disk, ...) and let the stream go
     elif age is not None and age > STALE_S:
         state = "stale"
     else:
@@ -126,7 +131,7 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
     }
 
 
-_STYLE = {"done": "green", "running": "cyan", "stale": "yellow", "pending": "dim"}
+_STYLE = {"done": "green", "running": "cyan", "stale": "yellow", "stopped": "yellow", "pending": "dim"}
 
 
 def _records_cell(records: int, total: int | None) -> str:
@@ -157,7 +162,8 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
         table.add_column(name, justify=justify)
     shown = rows
     if max_rows is not None and len(rows) > max_rows:
-        first = sorted(rows, key=lambda r: (r["state"] == "done", r["state"] != "stale", r["stream"]))
+        first = sorted(rows, key=lambda r: (r["state"] == "done", r["state"] not in ("stale", "stopped"),
+                                            r["stream"]))
         shown = first[:max(max_rows, 1)]
         shown.sort(key=lambda r: r["stream"])
     for r in shown:
