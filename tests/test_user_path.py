@@ -206,8 +206,9 @@ def test_each_action_has_its_own_help_and_every_command_a_description(capsys):
         description = text.split("\n\n")[1]
         assert not description.lstrip().startswith(("positional arguments", "options")), (command, text)
     assert "Progress of an extraction run" in help_of("status", capsys=capsys)
-    model_help = help_of("extract", capsys=capsys).split("\n  --model MODEL", 1)[1].split("\n  --", 1)[0]
-    assert "GGUF" in model_help and ".gguf" in model_help, model_help
+    for command in (("extract",), ("train",), ("sae", "eval")):
+        model_help = help_of(*command, capsys=capsys).split("\n  --model MODEL", 1)[1].split("\n  --", 1)[0]
+        assert "GGUF" in model_help and ".gguf" in model_help, (command, model_help)
 
 
 def test_the_progress_line_counts_records_and_samples_together(tmp_path):

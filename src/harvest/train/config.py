@@ -22,7 +22,8 @@ def _like_extract(name: str, default: Any, help: str | None = None):
 class TrainConfig(RunSettings):
     data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://")
     out: str = setting("the run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
-    model: str | None = setting("HF checkpoint directory or hub id to start from (or --shape); or a TRM: a preset "
+    model: str | None = setting("HF checkpoint directory, hub id or GGUF (a .gguf file or URL, or a directory "
+                                "holding one) to start from (or --shape); or a TRM: a preset "
                                 "(trm-sudoku-mlp, trm-maze, trm-arc) or {type: trm, preset: ..., overrides} (YAML, or "
                                 "JSON as the flag), --data then a puzzle dataset", None)
     shape: dict | None = setting("start from scratch: a config.json's fields as a JSON object or JSON file "
