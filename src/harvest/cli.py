@@ -145,9 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="leave out every token whose norm exceeds R x its run's median token norm; 0 = off "
                           "(default: as the SAE was trained)")
     sae_eval.add_argument("--model", dest="eval_model", default=None, metavar="MODEL",
-                          help="the model the run came from (HF checkpoint directory, hub id or GGUF): adds CE loss "
-                          "recovered on --data")
-    sae_eval.add_argument("--data", dest="eval_data", default=None, metavar="TEXTS", help="with --model: texts (JSONL with 'text')")
+                          help="the model the run came from (HF checkpoint directory, hub id or GGUF: a .gguf file "
+                               "or URL, or a directory holding one): adds CE loss recovered on --data")
+    sae_eval.add_argument("--data", dest="eval_data", default=None, metavar="TEXTS",
+                          help="with --model: texts (JSONL with 'text')")
     sae_eval.add_argument("--max-seq-len", dest="eval_max_seq_len", type=int, default=256, metavar="N",
                           help="with --model: tokens per text scored (default: %(default)s)")
     sae_eval.set_defaults(run=subcommands.sae)
