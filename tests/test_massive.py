@@ -207,6 +207,9 @@ def test_training_and_eval_count_dead_latents_alike(tmp_path):
     steps, batch = 6, 16
     run_sae_train(_sae_config(url, out, lr=0.0, holdout_streams=0, tokens=steps * batch, expansion=8, k=2,
                               b_dec_init="zeros"))
+    from harvest.sae.export import load_sae_run
+
+    assert load_sae_run(out)[0]["saes"]["resid_post.3"]["max_norm"] == 10  # the default rule, recorded
     records = [json.loads(line) for line in (tmp_path / "sae" / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]
     assert last["dead_window"] == steps * batch and [r["dead_window"] for r in records[:2]] == [batch, 2 * batch]
@@ -249,3 +252,15 @@ def _token_counts(model, data) -> list[list[int]]:
     tokenizer = load_tokenizer(model)
     encode = encoder(tokenizer, "text")
     return [encode([json.loads(line)["text"]])[0] for line in data.read_text().splitlines()]
+
+
+def test_max_norm_defaults_to_10_and_is_off_with_follow():
+    from harvest.config import ConfigError
+    from harvest.sae.config import SaeConfig
+
+    base = {"run": ["r"], "tensors": ["resid_post.1"], "out": "o"}
+    assert SaeConfig(**base).validate().norm_ratio == 10
+    assert SaeConfig(**base, max_norm=0).validate().norm_ratio == 0
+    assert SaeConfig(**base, follow=True).validate().norm_ratio == 0
+    with pytest.raises(ConfigError, match="--max-norm"):
+        SaeConfig(**base, follow=True, max_norm=10).validate()
