@@ -264,3 +264,19 @@ def test_max_norm_defaults_to_10_and_is_off_with_follow():
     assert SaeConfig(**base, follow=True).validate().norm_ratio == 0
     with pytest.raises(ConfigError, match="--max-norm"):
         SaeConfig(**base, follow=True, max_norm=10).validate()
+
+
+def test_an_sae_run_from_before_the_rule_resumes_without_it(tmp_path):
+    """run.json without max_norm (an SAE run started before --max-norm existed): rerun with the default, it
+    resumes as it was trained (no rule), reader positions and all."""
+    from harvest.sae.job import run_sae_train
+
+    url, out = str(tmp_path / "run"), tmp_path / "sae"
+    small_run(url)
+    run_sae_train(_sae_config(url, str(out), max_norm=0))
+    info = json.loads((out / "run.json").read_text())
+    del info["saes"]["resid_post.3"]["max_norm"]
+    del info["config"]["max_norm"], info["run_settings"]["max_norm"]
+    (out / "run.json").write_text(json.dumps(info))
+    summary = run_sae_train(_sae_config(url, str(out), tokens=16 * 8, checkpoint_every=8))
+    assert summary["step"] == 8 and "massive_left_out" not in summary

@@ -66,12 +66,12 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
               for t, w in inputs.widths.items()}
     compute_dtype = cfg.compute_dtype or default_compute_dtype()
     out = Storage(cfg.out)
-    medians = _medians(cfg, inputs, tensors, out)
-    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first, cfg.norm_ratio, medians)
+    ratio, medians = _norm_rule(cfg, inputs, tensors, out)
+    eval_rows = (D.held_out(inputs, tensors, part, mesh, cfg.seed, EVAL_BATCHES, cfg.skip_first, ratio, medians)
                  if cfg.eval_every else None)
-    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout, "max_norm": cfg.norm_ratio,
+    saes = {t: {**s._asdict(), "scale": scales[t], "holdout_streams": inputs.holdout, "max_norm": ratio,
                 **({"median_norm": [m[t] for m in medians],
-                    "norm_limit": [cfg.norm_ratio * m[t] for m in medians]} if cfg.norm_ratio else {})}
+                    "norm_limit": [ratio * m[t] for m in medians]} if ratio else {})}
             for t, s in specs.items()}
     record = RunRecord(KIND, cfg.to_dict(),
                        {**cfg.run_settings(), "mesh": describe(mesh), "processes": jax.process_count()},
@@ -98,7 +98,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             checkpoints.save(int(state["step"]), state, {"readers": [positions]}, force=True)
 
     batches = D.readers(inputs, tensors, part, mesh, cfg.seed, skip_first=cfg.skip_first, follow=follow,
-                        book=out.child(FOLLOW), on_wait=save_while_waiting, max_norm=cfg.norm_ratio, medians=medians)
+                        book=out.child(FOLLOW), on_wait=save_while_waiting, max_norm=ratio, medians=medians)
     if restored is None:
         state, saved_at = None, None
     else:
@@ -110,7 +110,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     step_fn = make_step(specs, optimizers, shardings, mesh, dead_tokens=cfg.dead_tokens, scales=scales,
                         compute_dtype=compute_dtype)
     evaluate = make_eval(specs, shardings, mesh, scales=scales, compute_dtype=compute_dtype) if cfg.eval_every else None
-    log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg, record)
+    log = SaeMetrics(out, 0 if state is None else int(state["step"]), cfg, record, ratio)
 
     def save(at: int) -> None:
         if state is not None:  # None: no step ran and no checkpoint exists (the init needs a first batch)
@@ -125,7 +125,7 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
             state = _initial_state(cfg, specs, optimizers, shardings, batch, scales)
         state, metrics = step_fn(state, batch)
         held = evaluate(state["params"], eval_rows) if evaluate and step % cfg.eval_every == 0 else None
-        log.step(step, metrics, held, D.left_out(batches) if cfg.norm_ratio else None)
+        log.step(step, metrics, held, D.left_out(batches) if ratio else None)
 
     start = time.monotonic()
     step = run_steps(0 if state is None else int(state["step"]), steps, advance, save, checkpoints=checkpoints,
@@ -133,21 +133,26 @@ def run_sae_train(cfg: SaeConfig) -> dict[str, Any]:
     log.file.close()
     return {"out": out.url, "step": step, "steps": steps, "preempted": step < steps, "tokens": step * cfg.batch_tokens,
             **{k: log.last.get(k) for k in ("fvu", "l0", "dead_fraction", "dead_window")},
-            **({"max_norm": cfg.norm_ratio, "median_norm": medians, "massive_left_out": log.last.get("massive_left_out"),
-                "massive_share": log.last.get("massive_share")} if cfg.norm_ratio else {}),
+            **({"max_norm": ratio, "median_norm": medians, "massive_left_out": log.last.get("massive_left_out"),
+                "massive_share": log.last.get("massive_share")} if ratio else {}),
             "seconds": round(time.monotonic() - start, 1)}
 
 
-def _medians(cfg: SaeConfig, inputs: D.Inputs, tensors: list[str], out: Storage) -> list[dict[str, float]]:
-    """Per run, {tensor: median token norm} for --max-norm: as the SAE run recorded them when it started (a
-    resumed run keeps its limits, whatever was committed since), else the runs' own (a seeded sample)."""
-    if not cfg.norm_ratio:
-        return [{} for _ in inputs.runs]
+def _norm_rule(cfg: SaeConfig, inputs: D.Inputs, tensors: list[str], out: Storage
+               ) -> tuple[float, list[dict[str, float]]]:
+    """--max-norm's R and, per run, {tensor: median token norm}: as the SAE run recorded them when it started (a
+    resumed run keeps its limits, whatever was committed since; one started before the rule existed, none),
+    else the config's R and the runs' own medians (a seeded sample)."""
     old = read_run(out, KIND, "an SAE run")
     saes = (old.details or {}).get("saes", {}) if old is not None else {}
+    if saes and all("max_norm" not in saes.get(t, {}) for t in tensors):  # trained before --max-norm existed
+        return float(cfg.max_norm or 0), [{} for _ in inputs.runs]
+    ratio = cfg.norm_ratio
+    if not ratio:
+        return 0.0, [{} for _ in inputs.runs]
     if all("median_norm" in saes.get(t, {}) for t in tensors):
-        return [{t: float(saes[t]["median_norm"][r]) for t in tensors} for r in range(len(inputs.runs))]
-    return inputs.median_norms(tensors)
+        return ratio, [{t: float(saes[t]["median_norm"][r]) for t in tensors} for r in range(len(inputs.runs))]
+    return ratio, inputs.median_norms(tensors)
 
 
 def _initial_state(cfg: SaeConfig, specs: dict[str, M.Spec], optimizers: dict, shardings: dict,
@@ -170,9 +175,9 @@ class SaeMetrics:
     top level) and tokens/s, as a line on the terminal and a record in RUN/metrics.jsonl; at an evaluation
     (`eval_every`) also eval_fvu, eval_l0, eval_dead_fraction on the held-out rows."""
 
-    def __init__(self, out: Storage, step: int, cfg: SaeConfig, record: RunRecord):
+    def __init__(self, out: Storage, step: int, cfg: SaeConfig, record: RunRecord, ratio: float = 0.0):
         self.file = MetricsFile(out, step, cfg.log_to, record)
-        self.cfg = cfg
+        self.cfg, self.ratio = cfg, ratio
         self._since = (step, time.monotonic())
         self.last: dict[str, Any] = {}
 
@@ -198,7 +203,7 @@ class SaeMetrics:
             print(f"step {step}/{self.cfg.steps}  fvu {mean['fvu']:.4f}  l0 {mean['l0']:.1f}  "
                   f"dead {mean['dead_fraction']:.1%} (none in {_tokens(window)})  aux {mean['aux_loss']:.3g}  "
                   + (f"left out {massive['massive_left_out']:,} ({massive['massive_share']:.2%}) over "
-                     f"{self.cfg.norm_ratio:g}x median  " if massive else "") +
+                     f"{self.ratio:g}x median  " if massive else "") +
                   f"{self.last['tokens_per_s']:,.0f} tokens/s" + (f"  eval fvu {mean['eval_fvu']:.4f} l0 "
                   f"{mean['eval_l0']:.1f} dead {mean['eval_dead_fraction']:.1%}" if held else ""), flush=True)
 
