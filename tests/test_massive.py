@@ -280,3 +280,32 @@ def test_an_sae_run_from_before_the_rule_resumes_without_it(tmp_path):
     (out / "run.json").write_text(json.dumps(info))
     summary = run_sae_train(_sae_config(url, str(out), tokens=16 * 8, checkpoint_every=8))
     assert summary["step"] == 8 and "massive_left_out" not in summary
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16"])
+def test_the_rule_reads_norms_as_served_from_a_quantized_run(tmp_path, dtype):
+    """An extracted run (the demo model) stored as 8-bit codes or bf16: the rule's norms are those of the values
+    served (codes x scales), so a reader in shard order serves exactly the rows a numpy filter keeps."""
+    from harvest.config import ExtractConfig
+    from harvest.demo import demo_checkpoint
+    from harvest.extract.job import run_extract
+
+    rng = np.random.default_rng(3)
+    words = "the residual stream holds sparse features that an autoencoder reads back out".split()
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(3, 40))))}) + "\n"
+                            for _ in range(24)))
+    run_extract(ExtractConfig(model=str(demo_checkpoint(tmp_path / "model")), data=str(data), out=str(tmp_path / "run"),
+                              dtype=dtype, points="resid_post:1", max_seq_len=64, batch_size=4,
+                              shard_size="16KB").validate())
+    run = harvest.open(str(tmp_path / "run"))
+    special = set(run.info.special_token_ids or ())
+    x = np.concatenate([np.asarray(s.activations["resid_post.1"], np.float32)[[t not in special for t in s.tokens]]
+                        for s in run.iter_samples()])
+    norms = np.linalg.norm(x.astype(np.float64), axis=1)
+    median = float(np.median(norms))
+    assert run.median_norms("resid_post.1")["resid_post.1"] == pytest.approx(median, rel=1e-12)
+    reader = run.token_batches(10**6, ["resid_post.1"], shuffle=False, max_norm=1.05, piece_bytes=4096)
+    batch = next(iter(reader))
+    np.testing.assert_array_equal(batch["resid_post.1"], x[norms <= 1.05 * median])
+    assert reader.massive_left_out == int(np.sum(norms > 1.05 * median)) > 0

@@ -98,11 +98,10 @@ class PieceReader:
         """Which rows have an L2 norm at or below the limit at every tensor `max_norm` names (the values as
         served in float32: 8-bit codes times their scales), summed in float64."""
         ok = np.ones(len(cols["tokens"]), bool)
+        coded = quant.is_quantized(self.dtype_name)
         for name, limit in max_norm:
-            x = cols[name].view(self.stored)
-            if quant.is_quantized(self.dtype_name):
-                x = quant.dequantize(x, cols[quant.scale_name(name)].view(np.float32))
-            ok &= squared_norms(x) <= float(limit) ** 2
+            scale = cols[quant.scale_name(name)].view(np.float32) if coded else None
+            ok &= squared_norms(cols[name].view(self.stored), scale) <= float(limit) ** 2
         return ok
 
     def _later(self, rel: str, sc: Sidecar, piece: Piece, skip_first: int) -> np.ndarray:
@@ -165,11 +164,13 @@ class PieceReader:
         return self.verify == "sha256" or sc.tensor_digests is not None or self._whole_file_pays
 
 
-def squared_norms(x: np.ndarray, rows: int = 4096) -> np.ndarray:
-    """Each row's squared L2 norm in float64, from its float32 values (bf16 and fp8 widened exactly), a block
-    of rows at a time: the same numbers wherever the rows are (harvest.read.batches.median_norms uses it too)."""
+def squared_norms(x: np.ndarray, scale: np.ndarray | None = None, rows: int = 4096) -> np.ndarray:
+    """Each row's squared L2 norm in float64, from its values as served (bf16 widened exactly; 8-bit codes times
+    their `scale`, in float32 as the reader dequantizes them), a block of rows at a time: the same numbers
+    wherever the rows are (harvest.read.batches.median_norms uses it too)."""
     out = np.empty(len(x), np.float64)
     for lo in range(0, len(x), rows):
-        block = np.asarray(x[lo:lo + rows]).astype(np.float64)
+        block = x[lo:lo + rows] if scale is None else quant.dequantize(x[lo:lo + rows], scale[lo:lo + rows])
+        block = np.asarray(block).astype(np.float64)
         out[lo:lo + rows] = np.einsum("ij,ij->i", block, block)
     return out
