@@ -334,13 +334,7 @@ def test_extracting(world):
     assert "wrote" in outputs[0] and "mlp_out" not in outputs[0]
     status, verify, inspect = outputs[1:]
     assert "done" in status and verify.startswith("OK") and "resid_post.23" in inspect
-    assert "…" not in inspect  # a log's tables hold whole cells: 200 columns
-
-
-def test_status_watch_in_a_log_keeps_whole_cells(world):
-    """harvest status --watch into a pipe or a log: 200 columns, as status and inspect (harvest.console)."""
-    (argv,) = [argv for argv in _block("harvest extract --model Qwen/Qwen2.5-0.5B --data fineweb/") if "--watch" in argv]
-    assert "…" not in world.run(argv)
+    assert "…" not in inspect and "…" not in status  # a log's tables hold whole cells: 200 columns
 
 
 def test_streams_and_workers(world):
@@ -493,3 +487,26 @@ def test_the_torch_and_jax_loaders(fineweb):
     assert ns["b"]["resid_post.12"].shape[1] == WIDTH
     assert all(b["resid_post.12"].shape[1] == WIDTH for b in ns["loader"])
     ns["batches"].load_state_dict(ns["state"])
+
+
+# The demo (README: "Every step prints the command that repeats it") ------------------------------------------
+
+def test_the_demo_prints_the_command_of_every_step_and_its_tables_fit_a_log(tmp_path):
+    """Each numbered step names its command; piped into a log its tables keep whole cells; the printed extract
+    command repeats its step (rerun on the same run: resumed with the same settings, nothing to do)."""
+    env = {**os.environ, "HARVEST_CACHE": str(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "harvest", "demo", "--model", "tiny", "--texts", "6", "--tasks", "6",
+                           "--sae-steps", "2", "--eval-texts", "2", "--eval-tokens", "256", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    steps = [i for i, line in enumerate(lines) if re.match(r"\d\. ", line)]
+    assert len(steps) == 8, done.stdout
+    for i in steps:  # the command on the step's line or the lines below it
+        assert re.search(r"(harvest|python -m harvest\.demo) \w", " ".join(lines[i:i + 3])), lines[i:i + 3]
+    assert "…" not in done.stdout and max(map(len, lines)) > 80  # tables 200 columns wide on a pipe, not cut
+    extract = next(line.strip() for line in lines if line.strip().startswith("harvest extract ") and "text-run" in line)
+    again = subprocess.run([sys.executable, "-m", *shlex.split(extract)], capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert again.returncode == 0 and "this run 0 tokens" in again.stdout, again.stdout + again.stderr

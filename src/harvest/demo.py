@@ -168,9 +168,8 @@ def run_demo(args) -> int:
     that repeats it."""
     import time
 
-    from rich.console import Console
-
     from harvest.cli import build_parser
+    from harvest.console import table_console
     from harvest.config import ExtractConfig
     from harvest.data.streams import create_streams
     from harvest.extract.job import run_extract
@@ -183,7 +182,7 @@ def run_demo(args) -> int:
 
     # Tables as `harvest inspect` prints them: a terminal's width, or 200 columns for a pipe or a log (rich would
     # take 80 there and cut every cell: 'resid_…').
-    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    console = table_console(soft_wrap=True)
     started, cpu_started = time.monotonic(), _cpu_seconds()
     root = Path(args.cache_dir) if args.cache_dir else cache.root()
     checkpoint, name = demo_model(args.model, root, console)
