@@ -403,6 +403,7 @@ def test_puzzle_builds(world):
 def test_sparse_autoencoders(world):
     """## Sparse autoencoders: train on the streams example's run, status, eval (held out; with CE loss recovered),
     export to SAELens and sparsify, and both load with their own libraries."""
+    world.ensure("harvest streams create --data gs://my-bucket/arc/*.jsonl")
     world.ensure("harvest extract --model Qwen/Qwen2.5-0.5B --data gs://my-bucket/arc-streams --format arc "
                  "--points resid_post:12-23 --out gs://my-bucket/qwen05-arc --streams 0-31")
     world.ensure("harvest extract --model Qwen/Qwen2.5-0.5B --data gs://my-bucket/arc-streams --format arc "
