@@ -253,10 +253,14 @@ def run_demo(args) -> int:
                   f"{tensor} zeroed {ce['ce_zero']:.3f})")
     saelens = export(sae_out, str(out / "saelens"), "saelens")["dirs"][0]
     again = _command("harvest", "sae", "export", sae_out, "--format", "saelens", "--out", out / "saelens")
+    ratio = json.loads((Path(sae_out) / "run.json").read_text())["saes"][tensor].get("max_norm") or 0
+    massive = (f", and so is every token over {ratio:g}x the run's median norm (--max-norm {ratio:g}: massive "
+               "activations)" if ratio else "")
     console.print(f"[bold]8. read it[/]  {again}\n"
                   "            FVU: the share of the activations' variance the SAE misses (0 is perfect); "
                   "L0: latents active per token;\n            each sample's first token (an attention sink, ~100x "
-                  "the norm of the rest) is left out of training and eval (--skip-first 1);\n            CE loss "
+                  f"the norm of the rest) is left out of training and eval (--skip-first 1){massive};\n"
+                  "            CE loss "
                   "recovered: 1 = the model's loss with the SAE's reconstruction spliced in equals the clean loss, "
                   "0 = as bad as zeroing the layer.\n"
                   "            Activations: python -c \"import harvest; r = harvest.open('"
