@@ -61,7 +61,7 @@ TREATMENT: dict[str, tuple] = {
     # ## A fleet
     "harvest fleet plan": (FLEET,), "harvest fleet up": (FLEET,), "harvest fleet status": (FLEET,),
     "harvest fleet down": (FLEET,),
-    "harvest verify gs://activations-us/arc-qwen05 gs://activations-eu/arc-qwen05": (FLEET,),
+    "harvest verify gs://activations-us/arc-qwen05 gs://activations-eu/arc-qwen05": (RUN, []),
     # ## Training: the pod command also runs here on one host, its mesh on the 8 test devices, a small shape
     "gcloud compute tpus tpu-vm scp train.yaml": (POD, None, None),
     "gcloud compute tpus tpu-vm ssh my-v4-32": (POD, ("tpu-v4-32", 1), [
@@ -365,6 +365,31 @@ def test_a_pod_refuses_a_mesh_that_does_not_fit(world):
     with pytest.raises(UserError, match="32 devices, but there are 16"):
         plan_on(["harvest", "train", "--config", "train.yaml", "--mesh", "data=4,model=4,fsdp=2"], "tpu-v4-32", 1,
                 world.root)
+
+
+def test_a_run_split_between_two_buckets_verifies(world):
+    """The fleet block's `harvest verify US EU`: the streams example's two workers, each writing its streams to its
+    own continent's bucket as a fleet's groups do, verify as one run."""
+    world.ensure("harvest streams create --data gs://my-bucket/arc/*.jsonl")
+    workers = [argv for argv in _block("harvest streams create --data gs://my-bucket/arc/") if "extract" in argv]
+    for argv, bucket in zip(workers, ("gs://activations-us/arc-qwen05", "gs://activations-eu/arc-qwen05")):
+        line = [world.local(a) for a in argv[1:]] + TREATMENT[key_of(argv)][1] + ["--out", world.local(bucket)]
+        code, output = world.harvest(line)
+        assert code == 0, output
+    (verify,) = [argv for _, argv in readme_commands() if argv[:2] == ["harvest", "verify"] and len(argv) == 4]
+    output = world.run(verify)
+    assert output.count("OK") >= 1 and "8 streams" in output, output
+
+
+def test_the_fleet_commands_parse():
+    """`harvest fleet up|status|down` need SkyPilot and a cloud: their lines parse with harvest's own parser (the
+    fleets themselves plan in tests/test_readme_fleet.py)."""
+    from harvest.cli import build_parser
+
+    for _, argv in readme_commands():
+        if TREATMENT[key_of(argv)][0] == FLEET:
+            args = build_parser().parse_args(argv[1:])
+            assert args.command == "fleet" and args.fleet == "fleet.yaml", argv
 
 
 def test_training_and_export(world):
