@@ -3,14 +3,15 @@ hosts, is parsed and planned (issue 35.2; the YAML blocks and the fleets: tests/
 
 Each command of every `bash` block is named in TREATMENT by its first words, which says what the suite does
 with it: runs it on small local data (RUN), parses and plans its inner `harvest` command on the slice or hosts
-it names (POD), or leaves it to test_readme_fleet (FLEET). A README command in no entry fails
+it names (POD), or parses it and leaves its fleet to test_readme_fleet, which plans it (FLEET: up, status
+and down need SkyPilot and a cloud). A README command in no entry fails
 test_every_readme_command_is_handled, so a new example must be handled here.
 
 How a command runs on this machine: a tiny random Qwen2 (24 layers of width 64, so the README's layers exist)
 stands in for every hub model; `gs://` and `s3://` URLs are directories under one temp dir (ALIASES first:
 the SAE examples' `gs://bucket/run` is the streams example's run); relative paths resolve there; the sizes
-are shrunk by flags appended after the README's (argparse: the last one wins). Commands run in-process
-through harvest.cli.main, as `harvest ...` does. Python blocks run as written, in a namespace holding what
+are shrunk by flags appended after the README's (argparse: the last one wins). Commands run as `python -m
+harvest ...` on 2 CPU devices (the suite's 8 fake devices make a small job slower on 2 cores). Python blocks run as written, in a namespace holding what
 their prose names (`run`, `host`, `hosts`, `mesh`), on the Extracting example's run, with the README's
 sizes (4096-token batches, 896 wide, 16384 latents, 200M samples) swapped for the tiny run's.
 """
