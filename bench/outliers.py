@@ -38,7 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=40, help="ARC tasks to extract (default 40)")
     p.add_argument("--streams", type=int, default=5, help="streams per data set; one is held out (default 5)")
     p.add_argument("--ce-texts", type=int, default=24, help="held-out paragraphs for CE loss recovered (default 24)")
-    p.add_argument("--ratios", default="3,10,30", help="--max-norm values R to measure (default 3,10,30)")
+    p.add_argument("--ratios", default="3,10", help="--max-norm values R to measure (default 3,10)")
     p.add_argument("--steps", type=int, default=300, help="SAE steps (default 300)")
     p.add_argument("--batch-tokens", type=int, default=512, help="tokens per SAE step (default 512)")
     p.add_argument("--expansion", type=int, default=8, help="latents per width (default 8)")
