@@ -151,7 +151,8 @@ class TokenBatches:
         self.pieces = PieceReader(storage, view, names, stored, verify=verify, on_corrupt=on_corrupt)
         row_bytes = 4 + sum(view.tensors[n] * stored.itemsize + 4 * self._coded for n in names)
         self.median_norms = {} if not max_norm else (
-            median_norms(storage, view, names, streams=streams, exclude=exclude) if median_norm is None
+            median_norms(storage, view, names, streams=streams, exclude=exclude, snapshot=snapshot)
+            if median_norm is None
             else {n: float(median_norm if isinstance(median_norm, (int, float)) else median_norm[n]) for n in names})
         self.norm_limits = {n: float(max_norm) * m for n, m in self.median_norms.items()}
         self.massive_left_out = self.tokens_considered = 0
@@ -409,13 +410,15 @@ MEDIAN_SAMPLE = 2**16  # tokens the median norm is taken over (or the whole run,
 
 
 def median_norms(storage: Storage, view: Snapshot, names: list[str], *, streams: Sequence[int] | None = None,
-                 exclude: Sequence[int] | None = None, sample: int = MEDIAN_SAMPLE) -> dict[str, float]:
+                 exclude: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
+                 sample: int = MEDIAN_SAMPLE) -> dict[str, float]:
     """{tensor: the median L2 norm of its tokens}, over the first `sample` tokens of the streams read in a
     reader's order with seed 0 (every token when the run holds fewer): the same number on every rank and in
     every rerun of the same committed shards, whatever the trainer's seed. Each sample's first tokens count
-    (they are few; the median hardly moves); `exclude` as the reader's (default: the special tokens)."""
+    (they are few; the median hardly moves); `exclude` and `snapshot` as the reader's (default: the special
+    tokens; the shards listed now)."""
     reader = TokenBatches(storage, view, sample, list(names), seed=0, epochs=1, exclude=exclude, dtype="float32",
-                          streams=streams, prefetch=2)
+                          streams=streams, snapshot=snapshot, prefetch=2)
     batch = next(iter(reader), None)
     if batch is None or not len(batch["tokens"]):
         raise UserError(f"{view.url}: max_norm needs the run's median token norm, and the streams read hold no token")
