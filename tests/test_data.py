@@ -172,7 +172,7 @@ def test_source_errors_are_user_errors(tmp_path):
 
 def test_hub_dataset_without_datasets_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import fails
-    with pytest.raises(UserError, match=r"pip install harvest\[hub\]"):
+    with pytest.raises(UserError, match=r"pip install -e '\.\[hub\]' in harvest's checkout"):
         list(iter_records("hf://HuggingFaceFW/fineweb-edu:sample-10BT:train"))
 
 

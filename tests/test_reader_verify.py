@@ -283,8 +283,6 @@ CASES = {
     "gap": (_delete("stream_00000/shard_000001.safetensors", "stream_00000/shard_000001.json"),
             "stream_00000/shard_000002.json", "gap: shard_000001 missing"),
     "overlap": (_rewrite_with_overlap, "stream_00000/shard_000001.safetensors", "duplicate sample"),
-    "missing final": (lambda run: _delete(_last(0, run) + ".safetensors", _last(0, run) + ".json")(run),
-                      "stream_00000/shard_000001.json", "no final shard"),
     "unknown file": (lambda run: run.storage.write_bytes("stream_00001/notes.txt", b"x"),
                      "stream_00001/notes.txt", "unknown file"),
     "wrong count": (lambda run: run.storage.write_json("run.json", {
@@ -409,6 +407,8 @@ def test_a_run_that_has_not_started(tmp_path):
     assert open_run(run.url).num_samples == 0
     assert [r["state"] for r in status_rows(run.url)] == ["pending", "pending"]
     assert "no committed sample yet" in _render(inspect(run.url))
-    assert [line.split(": ")[0] for line in verify(run.url).problems] == [
-        f"{run.url}/stream_00000/", f"{run.url}/stream_00001/"]
+    report = verify(run.url)  # nothing wrong, nothing done: incomplete
+    assert not report.problems and report.summary.startswith(f"INCOMPLETE {run.url}: 2 streams not finished")
+    assert [line.split(": ")[0] for line in report.unfinished] == [f"{run.url}/stream_00000/",
+                                                                   f"{run.url}/stream_00001/"]
     assert list(open_run(run.url).token_batches(4)) == []
