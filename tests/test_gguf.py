@@ -174,11 +174,12 @@ def test_every_point_of_every_layer_equals_hf_on_real_text(checkpoint, gguf_dir,
 
 def test_a_trained_sae_recovers_the_loss_a_trivial_one_does_not(checkpoint, tmp_path):
     """`harvest sae train` on resid_post.15 of real text, then `harvest sae eval --model --data` on other texts:
-    the trained TopK SAE (60 steps of 512 tokens, over the ~1,700 tokens of 20 paragraphs) recovers at least 0.3
-    more of the CE loss lost to zeroing the layer than the trivial SAE (the same run stopped after its first step,
-    its decoder bias at the batch mean); here 0.670 against -0.546 (0.495 against -0.240 from 40 paragraphs, at
-    twice the extraction's cost). On one device: the SAE's collectives across the suite's 8 fake devices gain
-    nothing here. Over 30 s: it trains and measures two SAEs, each eval running the whole model three ways."""
+    the trained TopK SAE (60 steps of 512 tokens, over the ~1,700 tokens of 20 paragraphs) leaves at most half
+    the CE loss that the trivial SAE (the same run stopped after its first step, its decoder bias at the batch
+    mean) leaves unrecovered. Both leave the massive tokens (over 10x the median norm: the attention sinks) clean,
+    by the default --max-norm 10, so both recover much: here 0.923 against 0.698 (FVU 0.223 against 0.748).
+    On one device: the SAE's collectives across the suite's 8 fake devices gain nothing here. Over 30 s: it
+    trains and measures two SAEs, each eval running the whole model three ways."""
     run = tmp_path / "run"
     run_extract(ExtractConfig(model=str(checkpoint), data=write_texts(tmp_path / "train.jsonl", pydoc_paragraphs(20)),
                               out=str(run), points="resid_post:15", dtype="float32", max_seq_len=128,
@@ -198,7 +199,8 @@ def test_a_trained_sae_recovers_the_loss_a_trivial_one_does_not(checkpoint, tmp_
         results[steps] = json.loads(done.stdout)["tensors"]["resid_post.15"]
     trivial, trained = (results[s]["downstream"]["ce_loss_recovered"] for s in (1, 60))
     print(f"CE loss recovered: trained {trained:.3f}, trivial {trivial:.3f}; fvu {results[60]['fvu']:.3f}")
-    assert trained > 0 and trained - trivial >= 0.3, results
+    assert 0 < trivial < trained and 1 - trained <= 0.5 * (1 - trivial), results
+    assert results[60]["fvu"] < 0.5 * results[1]["fvu"], results
 
 
 def test_a_url_and_a_directory_give_the_same_checkpoint(checkpoint, gguf_dir, tmp_path):
