@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from harvest.errors import UserError
 from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
 from harvest.read import open_run
@@ -412,3 +413,17 @@ def test_a_run_that_has_not_started(tmp_path):
     assert [line.split(": ")[0] for line in report.unfinished] == [f"{run.url}/stream_00000/",
                                                                    f"{run.url}/stream_00001/"]
     assert list(open_run(run.url).token_batches(4)) == []
+
+
+def test_an_endless_read_of_less_than_one_batch_is_refused_not_spun(tmp_path):
+    """epochs=None with drop_last over streams holding fewer tokens than a batch would loop for ever, starting
+    epoch after epoch without a batch (sae train hung so on a tiny demo): one line instead, naming the sizes."""
+    run = fake_run(tmp_path)
+    r = open_run(run.url)
+    total = r.num_tokens
+    with pytest.raises(UserError, match=rf"gives {total:,} tokens, fewer than one batch of {total + 1:,} \(drop_last\)"):
+        next(iter(r.token_batches(total + 1, list(r.tensors)[0], epochs=None, drop_last=True, exclude=[])))
+    endless = iter(r.token_batches(total + 1, list(r.tensors)[0], epochs=None, exclude=[]))  # short batches serve
+    assert [len(next(endless)["tokens"]) for _ in range(3)] == [total] * 3
+    full = iter(r.token_batches(total, list(r.tensors)[0], epochs=None, drop_last=True, exclude=[]))
+    assert [len(next(full)["tokens"]) for _ in range(3)] == [total] * 3

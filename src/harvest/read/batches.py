@@ -172,6 +172,7 @@ class TokenBatches:
         self._poll, self._book, self._on_wait = follow, rounds, on_wait
         self._round, self._round_start = 0, None  # following: the round read now, and the shards before it
         self._served = 0  # rows served in the current epoch
+        self._batches = 0  # batches handed out by this object
         self._handed: tuple[RunInfo, dict[str, Any]] | None = None  # the run and position after the last batch
         self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
         self.shards_seen = 0
@@ -304,11 +305,14 @@ class TokenBatches:
             if order.follow and self._cursor.epoch == self._first_epoch:
                 carry = yield from self._follow(order, carry)
             else:
+                whole, handed = self._cursor == Cursor(self._cursor.epoch, 0, 0), self._batches
                 sidecars = {(sc.stream, sc.shard): sc for sc in self._epoch_shards(order)}
                 carry = yield from self._serve(order, self._plan(order, list(sidecars.values())), sidecars, carry)
                 if not order.follow:  # the epoch's last batch is short (or dropped)
                     if carry is not None and not self.drop_last:
                         yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
+                    if self.epochs is None and whole and self._batches == handed:
+                        self._endless_and_empty(order, carry)
                     carry = None
             self._cursor, self._epoch_counts, self._served = Cursor(self._cursor.epoch + 1, 0, 0), None, 0
             self._round, self._round_start = 0, None
@@ -384,8 +388,18 @@ class TokenBatches:
                 f.cancel()
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def _endless_and_empty(self, order: Order, carry: tuple | None) -> None:
+        """An endless read (epochs=None) whose whole epoch gave no batch would loop for ever without one."""
+        rows = 0 if carry is None else carry[1]
+        share = f"this reader's share ({order.rank} of {order.world}) of " if order.world * order.workers > 1 else ""
+        raise UserError(f"{self.view.url}: an epoch of {share}the streams read gives {rows:,} tokens, fewer than one "
+                        f"batch of {self.batch_size:,}" + (" (drop_last)" if self.drop_last else "")
+                        + ": reading for ever would never yield a batch; read more streams or tokens, or take "
+                          "smaller batches")
+
     def _hand(self, raw: dict[str, np.ndarray]) -> dict[str, Any]:
         """The batch to hand out, and the position after it."""
+        self._batches += 1
         batch = self._emit(raw)
         self._handed = (self.view.info, self._position())
         return batch
