@@ -19,7 +19,6 @@ sizes (4096-token batches, 896 wide, 16384 latents, 200M samples) swapped for th
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import re
 import os
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 from readme_blocks import Block, blocks, shell_commands
 
 RUN, POD, FLEET, MAKE = "run", "pod", "fleet", "make"

@@ -10,7 +10,6 @@ fragments ("A pod and a multi-node GPU group are groups too") plan as the groups
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import re
 import urllib.error

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 
 
 def config_from(args: argparse.Namespace, cls, prefix: str = ""):
@@ -77,8 +76,7 @@ def sae(args: argparse.Namespace) -> int:
 
         print(json.dumps(evaluate(args.sae_url, args.sae_run, tokens=args.sae_tokens or 100_000, step=args.step,
                                   model=args.eval_model, data=args.eval_data, max_seq_len=args.eval_max_seq_len,
-                                  skip_first=args.sae_skip_first,
-                                  **({} if args.sae_max_norm is None else {"max_norm": args.sae_max_norm})),
+                                  skip_first=args.sae_skip_first, max_norm=args.sae_max_norm),
                          indent=1))
         return 0
     from harvest.sae.config import SaeConfig

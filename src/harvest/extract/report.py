@@ -105,7 +105,8 @@ class Progress:
 
         known = all(t is not None for t in self.totals.values())
         total = sum(t for t in self.totals.values() if t is not None) if known else None
-        with Bar(TextColumn("extract"), BarColumn(bar_width=20), TextColumn("{task.description}"), TimeRemainingColumn()) as bar:
+        with Bar(TextColumn("extract"), BarColumn(bar_width=20), TextColumn("{task.description}"),
+                 TimeRemainingColumn()) as bar:
             task = bar.add_task(self.line(), total=total, completed=sum(self.records.values()))
 
             def refresh():

@@ -15,5 +15,5 @@ from harvest.storage.errors import (
 )
 from harvest.storage.storage import Storage, json_bytes
 
-__all__ = ["Backend", "PreconditionFailed", "Storage", "StorageError", "StorageFull", "StorageNotFoundError", "StorageUnreachable",
-           "Upload", "Versioned", "describe", "is_transient", "json_bytes", "redact"]
+__all__ = ["Backend", "PreconditionFailed", "Storage", "StorageError", "StorageFull", "StorageNotFoundError",
+           "StorageUnreachable", "Upload", "Versioned", "describe", "is_transient", "json_bytes", "redact"]

@@ -184,18 +184,18 @@ def _contiguous(numbers: list[int]) -> list[int]:
 
 def read_progress(storage: Storage, stream: int) -> Progress | None:
     """A stream's progress.json, for show only: None when absent, or unreadable while being rewritten."""
-    rel = fmt.progress_path(stream)
-    try:
-        return Progress.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
-    except (ValueError, UserError):
-        return None
+    return _shown(storage, fmt.progress_path(stream), Progress)
 
 
 def read_lease(storage: Storage, stream: int) -> LeaseRecord | None:
     """A stream's lease.json, for show only: None when absent or unreadable (the writers judge it themselves)."""
-    rel = fmt.lease_path(stream)
+    return _shown(storage, fmt.lease_path(stream), LeaseRecord)
+
+
+def _shown(storage: Storage, rel: str, record: type):
+    """A record read for show only (status): None when absent or unreadable, never an error."""
     try:
-        return LeaseRecord.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
+        return record.from_bytes(storage.read_bytes(rel)) if storage.exists(rel) else None
     except (ValueError, UserError):
         return None
 
