@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -765,11 +766,20 @@ def test_status_when_skypilot_cannot_be_asked_shows_storage_and_its_error_in_one
     assert line.startswith("job states unknown: SkyPilot queue failed") and error in line, line
 
 
-def _skypilot_server_up(python: str, home: Path) -> bool:
+def _skypilot_env(home: Path) -> dict[str, str]:
+    """SkyPilot with its own ~/.sky and a local API server on a port free now: its default, 46580, lies in Linux's
+    ephemeral range, where the suite's own loopback connections can hold it (the server then exits: "Port 46580
+    is not available", seen in a fresh-clone run)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**os.environ, "HOME": str(home), "SKYPILOT_API_SERVER_LOCAL_PORT": str(port)}
+
+
+def _skypilot_server_up(python: str, env: dict[str, str]) -> bool:
     probe = ("from sky.server import common\n"
              "print(common.get_api_server_status().status == common.ApiServerStatus.HEALTHY)\n")
-    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HOME": str(home)})
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1] == "True"
 
@@ -782,9 +792,9 @@ def test_status_before_any_launch_with_the_real_skypilot_stops_the_api_server_it
     python = _skypilot()
     home = tmp_path / "home"
     home.mkdir()
-    if _skypilot_server_up(python, home):
-        pytest.skip("a SkyPilot API server already runs on this machine; this test must start its own")
-    env = {**os.environ, "HOME": str(home), "HARVEST_SKYPILOT_PYTHON": python}
+    env = {**_skypilot_env(home), "HARVEST_SKYPILOT_PYTHON": python}
+    if _skypilot_server_up(python, env):
+        pytest.skip("a SkyPilot API server already answers on the port chosen; this test must start its own")
     done = subprocess.run([str(Path(sys.executable).parent / "harvest"), "fleet", "status", str(half_done_fleet)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -793,4 +803,4 @@ def test_status_before_any_launch_with_the_real_skypilot_stops_the_api_server_it
     assert rows["st/a/0"][7] == "1/1" and "2/8 streams done" in done.stdout
     assert "ClusterDoesNotExist" not in done.stdout + done.stderr
     assert "stopped the SkyPilot API server this command started" in done.stderr, done.stderr
-    assert not _skypilot_server_up(python, home)
+    assert not _skypilot_server_up(python, env)
