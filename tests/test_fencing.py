@@ -263,3 +263,111 @@ def test_storage_unreachable_past_half_the_ttl_stops_the_worker_and_a_rerun_fini
     assert_verified(out, env)
     leases = [json.loads(Storage(out).read_bytes(f"stream_{s:05d}/lease.json")) for s in range(3)]
     assert all(lease["released"] for lease in leases)
+
+
+def data_objects(url: str, shard: int) -> list[str]:
+    return [n for n in Storage(url).listdir("stream_00000") if n.startswith(f"shard_{shard:06d}-")]
+
+
+def lease_holders(url: str) -> dict[int, tuple[int, bool]]:
+    """Each stream's lease: (its holder's pid, released)."""
+    st = Storage(url)
+    leases = {}
+    for d in (d for d in st.listdir() if d.startswith("stream_")):
+        if st.exists(f"{d}/lease.json"):
+            record = json.loads(st.read_bytes(f"{d}/lease.json"))
+            leases[int(d[7:])] = (record["pid"], record["released"])
+    return leases
+
+
+def wait_until(condition, proc: subprocess.Popen, log: str, setup, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, (setup.root / log).read_text()
+        time.sleep(0.05)
+
+
+def test_a_stalled_writer_that_commits_first_after_a_takeover_leaves_the_new_holder_going(setup):
+    """A stops (SIGSTOP) before committing shard 2; B waits out A's TTL, takes the stream and re-extracts it,
+    its own commit of shard 2 held until A has woken (SIGCONT) and committed shard 2 first. B finds the same range
+    committed and goes on to finish (exit 0); A, no longer holding the stream, exits 3; no lease is left held."""
+    out = str(setup.root / "wake-order")
+    env = harvest_env(setup.cache, devices=2)
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", str(TTL), "--streams", "0", log="wake-a.log",
+              env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:2"})
+    release = setup.root / "wake-order.release"
+    b = None
+    try:
+        wait_until(lambda: stopped(a), a, "wake-a.log", setup)
+        b = start(setup, out, "--worker-id", "b", "--lease-ttl", str(TTL), log="wake-b.log",
+                  env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:2:120", RELEASE_COMMIT: str(release)})
+        wait_until(lambda: len(data_objects(out, 2)) == 2, b, "wake-b.log", setup)  # B's shard 2 written, held
+        signal_group(a, signal.SIGCONT)
+        wait_until(lambda: Storage(out).exists("stream_00000/shard_000002.json"), b, "wake-b.log", setup)
+        release.touch()
+        assert b.wait(timeout=300) == 0, (setup.root / "wake-b.log").read_text()
+        assert a.wait(timeout=60) == 3, (setup.root / "wake-a.log").read_text()
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                signal_group(proc, signal.SIGCONT)
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+    assert "taken over by worker 'b'" in error_line(setup, "wake-a.log")
+    assert all(released for _, released in lease_holders(out).values()), lease_holders(out)
+    assert committed(out) == setup.reference
+    assert_verified(out, env)
+
+
+def test_sigterm_while_waiting_out_another_holders_ttl_exits_75_at_once(setup):
+    """A's lease is left by a SIGKILLed worker with --lease-ttl 60; B waits it out, and SIGTERM (a preemption
+    notice) ends that wait within seconds: exit 75, no lease held by B."""
+    out = str(setup.root / "sigterm-wait")
+    a = start(setup, out, "--worker-id", "a", "--lease-ttl", "60", "--streams", "0", log="sigterm-wait-a.log")
+    try:
+        wait_for_commits(a, out, 1)
+    finally:
+        signal_group(a, signal.SIGKILL)
+        a.wait()
+    b = start(setup, out, "--worker-id", "b", "--lease-ttl", "60", log="sigterm-wait-b.log")
+    try:
+        wait_until(lambda: "taken over if unchanged" in (setup.root / "sigterm-wait-b.log").read_text(), b,
+                   "sigterm-wait-b.log", setup)
+        signal_group(b, signal.SIGTERM)
+        began = time.monotonic()
+        code = b.wait(timeout=60)
+        took = time.monotonic() - began
+    finally:
+        if b.poll() is None:
+            signal_group(b, signal.SIGKILL)
+            b.wait()
+    assert code == 75 and took < 5, (code, took, (setup.root / "sigterm-wait-b.log").read_text())
+    assert "stopped on SIGTERM" in error_line(setup, "sigterm-wait-b.log")
+    assert all(pid != b.pid or released for pid, released in lease_holders(out).values()), lease_holders(out)
+
+
+def test_sigterm_while_a_commit_is_held_exits_75_within_the_deadline(setup):
+    """A commit held in flight (a write that does not end) does not hold up a stop: SIGTERM exits 75 within the
+    stop's deadline, the leases released; a rerun finishes the run."""
+    out = str(setup.root / "sigterm-commit")
+    env = harvest_env(setup.cache, devices=2)
+    a = start(setup, out, "--lease-ttl", "60", log="sigterm-commit.log",
+              env={**env, "HARVEST_TEST_STOP_BEFORE_COMMIT": "0:1:120"})
+    try:
+        wait_until(lambda: Storage(out).exists("stream_00000/shard_000000.json") and data_objects(out, 1), a,
+                   "sigterm-commit.log", setup)
+        time.sleep(0.5)  # past the last lease check: the commit is held
+        signal_group(a, signal.SIGTERM)
+        began = time.monotonic()
+        code = a.wait(timeout=150)
+        took = time.monotonic() - began
+    finally:
+        if a.poll() is None:
+            signal_group(a, signal.SIGKILL)
+            a.wait()
+    assert code == 75 and took < 12, (code, took, (setup.root / "sigterm-commit.log").read_text())
+    assert all(released for _, released in lease_holders(out).values()), lease_holders(out)
+    rerun = run_harvest(*setup.args(out, "--lease-ttl", "60"), env=env, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert committed(out) == setup.reference
+    assert_verified(out, env)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+from harvest.runtime import sigterm
+
 
 class Clock:
     """The real clocks of this process."""
@@ -18,8 +20,10 @@ class Clock:
         return time.monotonic()
 
     def sleep(self, seconds: float) -> None:
+        """Ended at once by SIGTERM inside a SigtermFlag (raising harvest.runtime.sigterm.Interrupted): a lease's
+        wait-out or a storage retry's back-off never outlasts a preemption notice."""
         if seconds > 0:
-            time.sleep(seconds)
+            sigterm.sleep(seconds)
 
     def wall(self) -> float:
         return time.time()

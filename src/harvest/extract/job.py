@@ -11,6 +11,7 @@ spans two streams. Resume is the default: each stream restarts from its committe
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -43,7 +44,7 @@ from harvest.model.weights import params_shape, resolve_checkpoint
 from harvest.ranges import parse_ranges
 from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import data_slots, describe, make_mesh
-from harvest.runtime.sigterm import SigtermFlag
+from harvest.runtime.sigterm import Interrupted, SigtermFlag
 from harvest.store import format as fmt, quant
 from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
 from harvest.storage import Storage, StorageError
@@ -123,7 +124,10 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     dropped = _streams_beyond(out, data.num_streams) if cfg.overwrite and whole and jax.process_index() == 0 else []
     existed = out.exists()
     created_run = False
-    with SigtermFlag() as sigterm:
+    # SIGTERM ends every wait from here on (a lease's wait-out, storage's back-offs: harvest.clock), and every exit
+    # releases the leases this process took.
+    with SigtermFlag() as sigterm, _stops_on_sigterm(), contextlib.ExitStack() as held:
+        held.callback(leases.release_all)
         _take_leases(out, leases, mine + dropped)  # --overwrite included: never delete streams another worker holds
         try:
             if cfg.overwrite:
@@ -154,8 +158,16 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
             if not left:
                 raise
             raise UserError(f"{e}; {left}") from None
-        finally:
-            leases.release_all()
+
+
+@contextlib.contextmanager
+def _stops_on_sigterm() -> Iterator[None]:
+    """A wait ended by SIGTERM (harvest.runtime.sigterm.Interrupted) stops the command retryably."""
+    try:
+        yield
+    except Interrupted:
+        raise RetryLater("stopped on SIGTERM while waiting (for a lease, or for storage); the leases it took were "
+                         "released: rerun the same command to resume") from None
 
 
 class StrictStop(UserError):

@@ -6,7 +6,8 @@ nothing is dropped):
                   threads encode and write (data, then sidecar).
 A stage's exception reaches the main thread (and every stage stops); so does a lost lease. `stop()` (SIGTERM)
 ends the run early on every process together: no batch is taken after it, the shards already closed are
-committed and the rows of the shards still open are dropped (a rerun computes them again).
+committed within STOP_WAIT_S (what is still in flight then is abandoned, RetryLater) and the rows of the shards
+still open are dropped (a rerun computes them again).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import queue
 from concurrent.futures import Future
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import jax
@@ -28,9 +30,10 @@ from harvest.model import Decoder
 from harvest.runtime import distributed
 from harvest.runtime.mesh import data_slots
 from harvest.store import format as fmt
-from harvest.store.commit import Committer
+from harvest.store.commit import ABORT_WAIT_S, Committer, abandoned_at_stop
 
 QUEUE_DEPTH = 2
+STOP_WAIT_S = 5.0  # how long a stop (SIGTERM) waits for the commits in flight before it abandons them
 log = logging.getLogger("harvest")
 
 
@@ -54,17 +57,20 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     feeder = Stage(lambda: feed(todo, stream_rows, slot_rows or batch_size, shape, batches, failure, halt,
                                 first=lambda: startup.span("rows", rows_start)), failure)
     host = Stage(lambda: to_shards(captured, decoder, writers, committer, progress), failure)
+    deadline = None  # a stop's: the commits in flight then end by it, or are abandoned
     try:
         if compiled is not None:
             compiled.result()  # while the feeder makes the first rows
         stopped = _steps(decoder, batches, captured, idle, writers, failure, stop, startup)
         halt.set()
-        put(captured, None, failure)
-        host.join(failure)
-        feeder.join(failure)
-        committer.close()
+        deadline = time.monotonic() + STOP_WAIT_S if stopped else None
+        put(captured, None, failure, deadline=deadline)
+        host.join(failure, deadline)
+        feeder.join(failure, deadline)
+        committer.close(deadline)
     except BaseException as error:
-        _abandon(error, failure, halt, committer)
+        _abandon(error, failure, halt, committer,
+                 wait_s=ABORT_WAIT_S if deadline is None else max(0.5, deadline - time.monotonic()))
         raise
     return stopped
 
@@ -88,18 +94,20 @@ def _steps(decoder: Decoder, batches: queue.Queue, captured: queue.Queue, idle: 
             for array in jax.tree.leaves(outputs):
                 for shard in local_blocks(array):
                     shard.data.copy_to_host_async()
-            put(captured, (batch, *outputs), failure)
+            if not put(captured, (batch, *outputs), failure, stop):  # stop: the host may wait on a held commit
+                return True
 
 
 def _abandon(error: BaseException, failure: list[BaseException], halt: threading.Event,
-             committer: Committer) -> None:
+             committer: Committer, wait_s: float) -> None:
     """A failing run stops every stage (each sees the failure) and leaves none of its data objects behind: the
-    Committer ends its commit in flight and deletes the rest. The host thread is not waited for: it may be
-    blocked on a device whose peer died."""
+    Committer ends its commit in flight and deletes the rest, waiting at most `wait_s`. The host thread is not
+    waited for: it may be blocked on a device whose peer died."""
     if not failure:
         failure.append(error)
     halt.set()
-    committer.abort()
+    committer.abort(wait_s)
+
 
 
 @dataclasses.dataclass
@@ -135,19 +143,25 @@ class Stage(threading.Thread):
         except BaseException as e:
             self._failure.append(e)
 
-    def join(self, failure=None) -> None:  # type: ignore[override]
-        super().join()
+    def join(self, failure=None, deadline: float | None = None) -> None:  # type: ignore[override]
+        super().join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if failure:
             raise failure[0]
+        if self.is_alive():
+            raise abandoned_at_stop()
 
 
-def put(q: queue.Queue, item, failure: list[BaseException], halt: threading.Event | None = None) -> bool:
-    """Put `item` when there is room; False (not put) once `halt` is set."""
+def put(q: queue.Queue, item, failure: list[BaseException], halt: Callable[[], bool] | None = None,
+        deadline: float | None = None) -> bool:
+    """Put `item` when there is room; False (not put) once `halt()` is true. Past `deadline` (time.monotonic; a
+    stop's), RetryLater."""
     while True:
         if failure:
             raise failure[0]
-        if halt is not None and halt.is_set():
+        if halt is not None and halt():
             return False
+        if deadline is not None and time.monotonic() > deadline:
+            raise abandoned_at_stop()
         try:
             q.put(item, timeout=0.5)
             return True
@@ -188,9 +202,9 @@ def feed(slots: dict[int, list[int]], stream_rows, batch_size: int, shape: tuple
         if first is not None:
             first()
             first = None
-        if not put(batches, Batch(tokens, segments, rows), failure, halt):
+        if not put(batches, Batch(tokens, segments, rows), failure, halt.is_set):
             return
-    put(batches, None, failure, halt)
+    put(batches, None, failure, halt.is_set)
 
 
 def _chain(stream_ids: list[int], stream_rows) -> Iterator[tuple[int, Row]]:

@@ -40,16 +40,22 @@ from typing import Any, Callable
 
 import numpy as np
 
-from harvest.errors import FencedOut, UserError
+from harvest.errors import FencedOut, RetryLater, UserError
 from harvest.store import encoding, format as fmt
 from harvest.storage import Storage
-from harvest.store.listing import read_chain
+from harvest.store.listing import read_chain, read_sidecar
 from harvest.store.lease import Leases
 from harvest.store.records import Sidecar
 from harvest.store.stats import RunningStats
 
 
 ABORT_WAIT_S = 30.0  # how long a failing run waits for its commit in flight and its discards (Committer.abort)
+
+
+def abandoned_at_stop() -> RetryLater:
+    """A stop (SIGTERM) whose commits in flight did not end by its deadline."""
+    return RetryLater("stopped on SIGTERM: a commit still in flight at the deadline was abandoned (the stream's next "
+                      "holder commits that shard again), the leases released; rerun the same command to resume")
 
 
 class CommitLost(FencedOut):
@@ -164,10 +170,10 @@ def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, 
             storage.delete_tree(fmt.shard_dir(stream, old))
 
 
-def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard: Callable[[int], None]) -> None:
+def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard: Callable[[int], None]) -> Sidecar:
     """Write `data` as the object `sidecar` names (None: written already, by `write_data`), then commit it by
-    creating the sidecar only if absent, both in the sidecar's generation. Raises CommitLost when another writer
-    committed the shard first (this one's object is deleted)."""
+    creating the sidecar only if absent, both in the sidecar's generation. Returns the shard's committed sidecar:
+    this one, or the same shard committed first by another writer (`_committed_by_other`)."""
     if data is not None:
         write_data(storage, sidecar.stream, sidecar.file, data, guard, sidecar.generation)
     try:
@@ -178,11 +184,36 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
     if storage.create_exclusive(fmt.sidecar_path(sidecar.stream, sidecar.shard, sidecar.generation),
                                 sidecar.to_bytes()):
-        return
+        return sidecar
     _delete_uncommitted(storage, sidecar)
-    raise CommitLost(f"stream {sidecar.stream}: shard {sidecar.shard} was committed by another writer first (one "
-                     "that took the stream over, or one that lost it and had not stopped yet); this worker stopped "
-                     "writing the stream and its copy was not committed")
+    return _committed_by_other(storage, sidecar, guard)
+
+
+RANGE_FIELDS = ("start", "next", "row_start", "samples", "tokens", "records", "final")
+
+
+def _committed_by_other(storage: Storage, mine: Sidecar, guard: Callable[[int], None]) -> Sidecar:
+    """Another writer committed `mine`'s shard first: a writer that lost the stream and woke after this one
+    took it over (its last lease check passed before it stalled), or the holder, where this one lost it. A
+    writer that no longer holds the stream stops (CommitLost, exit 3). The holder goes on from the shard that
+    won where it commits the same range (shards are deterministic: the same samples, packed the same); else
+    it stops retryably (RetryLater, exit 75): a rerun resumes after the committed chain."""
+    try:
+        guard(mine.stream)
+    except FencedOut:
+        raise CommitLost(f"stream {mine.stream}: shard {mine.shard} was committed by another writer first (one "
+                         "that took the stream over); this worker stopped writing the stream and its copy was not "
+                         "committed") from None
+    try:
+        won = read_sidecar(storage, mine.stream, mine.shard, mine.generation)
+        differs = [f for f in RANGE_FIELDS if getattr(won, f) != getattr(mine, f)]
+    except ValueError as e:
+        differs = [f"its sidecar is damaged ({e})"]
+    if not differs:
+        return won
+    raise RetryLater(f"stream {mine.stream}: shard {mine.shard} was committed by another writer first, with "
+                     f"other contents ({', '.join(differs)} differ); this worker stopped writing the stream: "
+                     "rerun the same command to resume after the committed shards")
 
 
 def _delete_uncommitted(storage: Storage, sidecar: Sidecar) -> None:
@@ -293,15 +324,23 @@ class Committer:
         if self.failure is not None:
             raise self.failure
 
-    def close(self) -> None:
-        """Wait for every submitted shard to be committed; re-raise a writer's failure."""
-        for q in self._queues:
-            q.put(None)
+    def close(self, deadline: float | None = None) -> None:
+        """Wait for every submitted shard to be committed; re-raise a writer's failure. Past `deadline`
+        (time.monotonic; a stop's), RetryLater, the commits still in flight left to `abort`."""
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            for q in self._queues:
+                q.put(None, timeout=left())
+        except queue.Full:
+            pass
         for thread in self._threads:
-            thread.join()
+            thread.join(left())
+        self.check()
+        if any(thread.is_alive() for thread in self._threads):
+            raise abandoned_at_stop()
         self._work.shutdown()
         self._writes.shutdown()
-        self.check()
 
     def abort(self, wait_s: float = ABORT_WAIT_S) -> None:
         """The run is failing: commit nothing more, and leave none of this writer's data objects behind. The
@@ -379,7 +418,7 @@ class Committer:
         )
         encoded.written.result()
         try:
-            commit(self.storage, manifest, None, self.guard)
+            manifest = commit(self.storage, manifest, None, self.guard)
         except CommitLost as e:
             self.on_lost(shard.stream, e)
             raise

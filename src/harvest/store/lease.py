@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from harvest.clock import SYSTEM, Clock
 from harvest.errors import FencedOut, RetryLater, UserError
+from harvest.runtime.sigterm import Interrupted
 from harvest.store import format as fmt
 from harvest.storage import Storage, Versioned
 from harvest.store.records import LeaseRecord, now_iso
@@ -135,6 +136,7 @@ class Leases:
         self._heartbeat_on = heartbeat
         self._held: dict[int, _Held] = {}
         self._lost: dict[int, UserError] = {}
+        self._given_up: dict[int, _Held] = {}  # lost streams, released by `release_all` where still this worker's
         self._io = threading.Lock()  # held while a lease is rewritten: a heartbeat never revives a release
         self._state = threading.Lock()  # guards _held and _lost (never held across storage calls)
         self._stop = threading.Event()
@@ -304,7 +306,9 @@ class Leases:
             if stream in self._lost:
                 return self._lost[stream]
             self._lost[stream] = error
-            self._held.pop(stream, None)
+            held = self._held.pop(stream, None)
+            if held is not None:  # released at the end all the same: a swap that lands only where it is still ours
+                self._given_up[stream] = held
         self.on_lost(error)
         return error
 
@@ -362,13 +366,13 @@ class Leases:
         """Mark the lease released (a compare-and-swap: a lease taken over meanwhile is left alone)."""
         with self._io:
             with self._state:
-                held = self._held.pop(stream, None)
+                held = self._held.pop(stream, None) or self._given_up.pop(stream, None)
             if held is None:
                 return
             released = self._record(held.record.version + 1, held.record, released=True)
             try:
                 self.storage.replace_if(fmt.lease_path(stream), released.to_bytes(), held.token)
-            except UserError as e:  # it is taken over after its TTL instead
+            except (UserError, Interrupted) as e:  # it is taken over after its TTL instead
                 log.warning("stream %d: could not release its lease (%s)", stream, e)
 
     def drop_untouched(self) -> list[int]:
@@ -405,8 +409,10 @@ class Leases:
             self._held.pop(stream, None)
 
     def release_all(self) -> None:
+        """Release every lease this process took, lost ones included (a lease lost while storage was unreachable
+        may still be this worker's: the swap from the version it wrote lands only then)."""
         self._stop.set()
-        for stream in sorted(self._held):
+        for stream in sorted({*self._held, *self._given_up}):
             self.release(stream)
 
 
