@@ -30,7 +30,7 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from harvest.errors import UserError
@@ -215,9 +215,10 @@ def location(path: str, fmt: str, index: int) -> str:
 
 
 # --- reading -----------------------------------------------------------------------------------------
-# Items are (index_in_file, kind, data): kind "line" (a decoded jsonl line, not yet parsed), "value" (a
-# parsed row, maybe not a dict) or "error" (a reason). Streams carry lines verbatim; records parse them.
-# Each reader skips its first `skip` records as cheaply as its format allows and returns its record count.
+# Items are (index_in_file, kind, data, raw): kind "line" (a decoded jsonl line, not yet parsed), "value" (a
+# parsed row, maybe not a dict) or "error" (a reason); raw: the line's bytes as read (line files), else None.
+# Streams carry lines verbatim; records parse them. Each reader skips its first `skip` records as cheaply as
+# its format allows and returns its record count.
 
 def _decode(line: bytes, first: bool) -> tuple[str | None, str | None]:
     """(text, None) or (None, reason) for one raw line, without its line ending (and BOM)."""
@@ -239,11 +240,11 @@ def _read_lines(f: SourceFile, skip: int, as_text: bool):
         for i, raw in enumerate(fh, start=n):
             text, reason = _decode(raw, i == 0)
             if reason is not None:
-                yield i, "error", reason
+                yield i, "error", reason, raw
             elif as_text:
-                yield i, "value", {"text": text}
+                yield i, "value", {"text": text}, raw
             else:
-                yield i, "line", text
+                yield i, "line", text, raw
             n = i + 1
     return n
 
@@ -274,7 +275,7 @@ def _read_json(f: SourceFile, skip: int):
     else:
         raise UserError(f"{f.path}: a .json source must hold an array or an object, not {json_kind(doc)}")
     for i in range(skip, len(rows)):
-        yield i, "value", rows[i]
+        yield i, "value", rows[i], None
     return len(rows)
 
 
@@ -304,7 +305,7 @@ def _read_parquet(f: SourceFile, skip: int):
                 rows = batch.to_pylist()
                 lo = max(0, skip - index)
                 for j in range(lo, len(rows)):
-                    yield index + j, "value", rows[j]
+                    yield index + j, "value", rows[j], None
                 index += len(rows)
     return total
 
@@ -324,7 +325,7 @@ def _read_hub(f: SourceFile, skip: int):
         ds = ds.skip(skip)
     n = skip
     for i, row in enumerate(ds, start=skip):
-        yield i, "value", row
+        yield i, "value", row, None
         n = i + 1
     return n
 
@@ -338,22 +339,34 @@ _READERS = {
 }
 
 
-def iter_items(files: list[SourceFile], start: int = 0, counts: list[int] | None = None):
+def iter_items(files: list[SourceFile], start: int = 0, counts: list[int] | None = None,
+               pin: Callable[[bytes], None] | None = None):
     """(sample_id, file_index, index_in_file, kind, data) over the files, from global record `start` on.
 
     Files whose records all come before `start` are skipped without parsing; `counts`, if given, is
     filled with each file's record count as it is learned (all of them once the iterator is exhausted).
+    `pin`, if given, is called with each record's bytes (`raw_bytes`) before it is yielded.
     """
     if start < 0:
         raise ValueError("start must be >= 0")
     base = 0
     for k, f in enumerate(files):
         box = [0]
-        for i, kind, data in _counted(_READERS[f.format](f, max(0, start - base)), box):
+        for i, kind, data, raw in _counted(_READERS[f.format](f, max(0, start - base)), box):
+            if pin is not None:
+                pin(raw_bytes(data, raw))
             yield base + i, k, i, kind, data
         if counts is not None:
             counts[k] = box[0]
         base += box[0]
+
+
+def raw_bytes(data: Any, raw: bytes | None) -> bytes:
+    """A record's bytes as a stream's content pin hashes them (harvest.data.pin): a line as read, else (a
+    parquet, .json or hub row) its repr; each ends with one newline and holds no other."""
+    if raw is None:
+        return repr(data).encode("utf-8", "backslashreplace") + b"\n"
+    return raw if raw.endswith(b"\n") else raw + b"\n"
 
 
 def _counted(reader, box: list):

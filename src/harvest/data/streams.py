@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from harvest.data import sources
+from harvest.data.pin import SourcePin
 from harvest.data.sources import Record
 from harvest.errors import UserError
 from harvest.storage import Storage, StorageNotFoundError
@@ -198,10 +199,30 @@ def _is_carried_error(value: dict | None) -> bool:
             and all(isinstance(v, str) for v in value.values()))
 
 
-class StreamSet:
+class _PinnedReads:
+    """A stream's next read may feed its content pin (harvest.data.pin): `pin_reads(stream, pin)` before it."""
+
+    _pins: dict[int, SourcePin]
+
+    def _check_stream(self, stream: int) -> None:
+        raise NotImplementedError
+
+    def pin_reads(self, stream: int, pin: SourcePin) -> None:
+        self._check_stream(stream)
+        self._pins[stream] = pin
+
+    def _pin_of(self, stream: int, start: int) -> SourcePin | None:
+        pin = self._pins.pop(stream, None)
+        if pin is not None and pin.count != start:
+            raise ValueError(f"stream {stream}: a read from record {start} cannot go on from a pin at {pin.count}")
+        return pin
+
+
+class StreamSet(_PinnedReads):
     """A directory holding streams.json and its stream files (see the module doc)."""
 
     def __init__(self, url: str, meta: dict):
+        self._pins = {}
         self.url = url
         self.storage = Storage(url)
         self.meta = meta
@@ -274,10 +295,24 @@ class StreamSet:
         count = self.counts[stream]
         if not 0 <= start <= count:
             raise ValueError(f"start {start} outside stream {stream} of {count} records")
-        return self._records(stream, start, count)
+        return self._records(stream, start, count, self._pin_of(stream, start))
 
-    def _records(self, stream: int, start: int, count: int) -> Iterator[Record]:
-        if start == count:
+    def raw_records(self, stream: int, start: int = 0) -> Iterator[bytes]:
+        """The bytes of the stream's records from `start` on, as its content pin hashes them (no parsing)."""
+        self._check_stream(stream)
+        return (sources.raw_bytes(None, raw) for _, raw in self._lines(stream, start, self.counts[stream]))
+
+    def _records(self, stream: int, start: int, count: int, pin: SourcePin | None) -> Iterator[Record]:
+        url = self.stream_url(stream)
+        for index, raw in self._lines(stream, start, count):
+            if pin is not None:
+                pin.add(sources.raw_bytes(None, raw))
+            sample_id = index * self.num_streams + stream
+            yield _stream_line(raw, sample_id, self.location(sample_id) or f"{url}:{index + 1}")
+
+    def _lines(self, stream: int, start: int, count: int) -> Iterator[tuple[int, bytes]]:
+        """(index, line as stored, newline included) of the stream's records `start`..count-1."""
+        if start >= count:
             return
         url = self.stream_url(stream)
         offsets = (self.meta.get("line_offsets") or [None] * self.num_streams)[stream]
@@ -296,9 +331,7 @@ class StreamSet:
                 if not raw:
                     raise UserError(f"{url}: has {index} lines, {STREAMS_FILE} says {count}; "
                                     "the stream set is damaged")
-                sample_id = index * self.num_streams + stream
-                where = self.location(sample_id) or f"{url}:{index + 1}"
-                yield _stream_line(raw, sample_id, where)
+                yield index, raw
 
     def verify(self) -> list[str]:
         """Problems found re-reading every stream file (line count, sha256); empty when all is well."""
@@ -358,12 +391,13 @@ def _validate(meta: Any) -> str | None:
     return None
 
 
-class SourceStreams:
+class SourceStreams(_PinnedReads):
     """A plain source seen as one stream (stream 0) of unknown length; sample_id = record index."""
 
     num_streams = 1
 
     def __init__(self, spec: str):
+        self._pins = {}
         self.spec = spec
         self.files = sources.resolve(spec)  # a bad spec fails here, before any work starts
         self.counts: list[int | None] = [None]
@@ -380,9 +414,16 @@ class SourceStreams:
 
     def records(self, stream: int, start: int = 0) -> Iterator[Record]:
         self._check_stream(stream)
-        files = self.files
+        files, pin = self.files, self._pin_of(stream, start)
         return (sources.to_record(sid, sources.location(files[k].path, files[k].format, i), kind, data)
-                for sid, k, i, kind, data in sources.iter_items(files, start))
+                for sid, k, i, kind, data in sources.iter_items(files, start, pin=pin and pin.add))
+
+    def raw_records(self, stream: int, start: int = 0) -> Iterator[bytes]:
+        """The bytes of the source's records from `start` on, as its content pin hashes them (no JSON parsing)."""
+        self._check_stream(stream)
+        got: list[bytes] = []
+        for _ in sources.iter_items(self.files, start, pin=got.append):  # each item's bytes, handed on
+            yield got.pop()
 
     def info(self) -> dict:
         return {"kind": "source", **sources.describe(self.spec, self.files)}
