@@ -24,10 +24,11 @@ class RunWriter:
     """Writes a run shard by shard, remembering every row: token id -> {tensor: values}."""
 
     def __init__(self, url: str, tensors: dict[str, int] = TENSORS, streams: int = 3, seed: int = 0,
-                 special: bool = True, tensor_sha256: bool = True):
-        """tensor_sha256=False: sidecars as harvest wrote them before it recorded each tensor's checksum."""
+                 special: bool = True, tensor_sha256: bool = True, chunk_bytes: int | None = encoding.CHUNK_BYTES):
+        """tensor_sha256=False: sidecars as harvest wrote them before it recorded each tensor's checksum;
+        chunk_bytes=None: as it wrote them before chunk digests."""
         self.storage, self.tensors, self.streams = Storage(url), tensors, streams
-        self.tensor_sha256 = tensor_sha256
+        self.tensor_sha256, self.chunk_bytes = tensor_sha256, chunk_bytes
         self.rng = np.random.default_rng(seed)
         self.rows: dict[int, dict[str, np.ndarray]] = {}
         self.next_token, self.shards = 100, [0] * streams
@@ -58,7 +59,10 @@ class RunWriter:
         manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
                                     row_start=(first, 0), samples=len(lengths), tokens=n,
                                     stats={name: RunningStats.of(a) for name, a in acts.items()}, skipped=[],
-                                    long={}, final=final, records=first + len(lengths))
+                                    long={}, final=final, records=first + len(lengths),
+                                    chunk_bytes=self.chunk_bytes)
+        if self.chunk_bytes is None or not self.tensor_sha256:
+            manifest = dataclasses.replace(manifest, chunk_bytes=None, chunk_digests=None)
         if not self.tensor_sha256:
             manifest = dataclasses.replace(manifest, checksum=None, digest=encoding.digest(data, "sha256"),
                                            tensor_digests=None)

@@ -1,5 +1,6 @@
 """Many consumers of one run: DataLoader workers of several ranks on a run still being written, global JAX
-batches over meshes on 2 processes x 4 devices, and shard bytes verified once across all consumers.
+batches over meshes on 2 processes x 4 devices, and shard bytes verified by every consumer, each the chunks it
+fetched (runs written before chunk digests: once across all consumers).
 
 The growing run is written by another process with harvest's own commit code (growing_run_writer.py);
 the meshes run in tests/reader_mesh_worker.py with jax.distributed on 127.0.0.1.
@@ -20,7 +21,7 @@ import pytest
 from reader_helpers import RunWriter, small_run
 
 from harvest.errors import UserError
-from harvest.read import CorruptShardError, open_run
+from harvest.read import CorruptShardError, open_run, shuffle
 from harvest.storage import Storage
 from harvest.store import encoding, format as fmt
 
@@ -135,7 +136,7 @@ def test_jax_batches_on_two_processes_for_any_mesh(tmp_path):
     assert "overlapping or unequal parts of the batch" in refusal and steps("overlapping", 1)["refused"] == refusal
 
 
-# each shard's bytes verified once, across ranks and workers ----------------------------------------------
+# each consumer verifies the chunks it reads; before chunk digests, once across ranks and workers -----------
 def consumers(run, **settings) -> list:
     readers = [run.token_batches(16, seed=7, rank=r, world=2, worker=w, workers=2, piece_bytes=PIECE, **settings)
                for r in (0, 1) for w in (0, 1)]
@@ -144,9 +145,26 @@ def consumers(run, **settings) -> list:
     return readers
 
 
+def test_each_consumer_verifies_the_chunks_of_every_shard_it_reads(tmp_path):
+    written = small_run(str(tmp_path / "run"))
+    run = open_run(written.storage.url)
+    readers = consumers(run)
+    every = {run.shard_path(sc) for sc in run.shards}
+    for r in readers:  # each consumer reads pieces of most shards: it checked each of those
+        order = r.order()
+        everyone = shuffle.epoch_order(shuffle.cut([(sc.stream, sc.shard, sc.tokens) for sc in run.shards],
+                                                   order.piece_tokens), order.seed, 0, order.shuffle)
+        mine = shuffle.share(everyone, order.rank, order.world, order.worker, order.workers)
+        assert r.verified_shards == {run.shard_path(sc) for sc in run.shards
+                                     if any((p.stream, p.shard) == (sc.stream, sc.shard) for p in mine)}
+    assert set().union(*(r.verified_shards for r in readers)) == every
+    # the tensors read, once across consumers (each tiny shard's tensor is one chunk, so each piece fetches it)
+    assert sum(r.pieces.bytes_hashed for r in readers) >= sum(sc.bytes for sc in run.shards) * 0.9
+
+
 @pytest.mark.parametrize("tensor_sha256", [True, False], ids=["per-tensor checksums", "file checksum only"])
-def test_each_shard_is_verified_by_one_consumer_of_all(tmp_path, tensor_sha256):
-    written = small_run(str(tmp_path / "run"), tensor_sha256=tensor_sha256)
+def test_before_chunk_digests_each_shard_is_verified_by_one_consumer_of_all(tmp_path, tensor_sha256):
+    written = small_run(str(tmp_path / "run"), tensor_sha256=tensor_sha256, chunk_bytes=None)
     run = open_run(written.storage.url)
     readers = consumers(run)  # verify="auto": both tensors asked for, so old sidecars are hashed too
     verified = [r.verified_shards for r in readers]
@@ -157,9 +175,12 @@ def test_each_shard_is_verified_by_one_consumer_of_all(tmp_path, tensor_sha256):
     assert hashed == shard_bytes if not tensor_sha256 else hashed < shard_bytes  # old: whole files, once each
 
 
-def test_four_consumers_fetch_a_tensor_of_eight_twice_from_s3_not_the_shard_four_times(s3_proxy_url, s3_proxy):
+@pytest.mark.parametrize("chunk_bytes", [16 * 1024, None], ids=["chunk digests", "before chunk digests"])
+def test_four_consumers_fetch_a_tensor_of_eight_from_s3_not_the_shard_four_times(s3_proxy_url, s3_proxy, chunk_bytes):
+    """With chunk digests each consumer checks what it fetched: the tensor is fetched once (chunks and pieces
+    align here); before them, the one verifier reads the tensor once more."""
     tensors = {f"resid_post.{i}": 1024 for i in range(8)}
-    w = RunWriter(s3_proxy_url, tensors=tensors, streams=1)
+    w = RunWriter(s3_proxy_url, tensors=tensors, streams=1, chunk_bytes=chunk_bytes)
     w.shard(0, [256], final=True)
     run = open_run(s3_proxy_url)
     before = s3_proxy.bytes_down
@@ -168,9 +189,12 @@ def test_four_consumers_fetch_a_tensor_of_eight_twice_from_s3_not_the_shard_four
     tokens = [t for reader in readers for b in reader for t in b["tokens"].tolist()]
     down = s3_proxy.bytes_down - before
     wanted = 256 * 1024 * 2 + 256 * 4  # the tensor and the tokens
-    assert sorted(tokens) == sorted(w.rows) and sum(len(r.verified_shards) for r in readers) == 1
-    # the pieces, and the verifier's one more read of the tensor and the tokens; 4 headers; HTTP's own headers
-    assert 2 * wanted <= down <= 2 * wanted + 4 * 16 * 1024 + 16 * 1024, (down, run.shards[0].bytes)
+    assert sorted(tokens) == sorted(w.rows)
+    assert sum(len(r.verified_shards) for r in readers) == (4 if chunk_bytes else 1)
+    # the pieces (each the whole 1 KiB tokens tensor, one chunk), the verifier's one more read of the tensor and
+    # the tokens before chunk digests; 4 headers and the small tensors; HTTP's own headers
+    copies = 1 if chunk_bytes else 2
+    assert copies * wanted <= down <= copies * wanted + 4 * 20 * 1024 + 16 * 1024, (down, run.shards[0].bytes)
     assert down < run.shards[0].bytes / 3
 
 
@@ -186,9 +210,9 @@ def test_a_flipped_byte_in_a_tensor_read_is_caught_and_one_not_read_costs_nothin
     alone = run.token_batches(16, "resid_post.3")
     list(alone)
     for readers in (consumers(run, tensors="resid_post.3"), [alone]):
-        assert sum(len(r.verified_shards) for r in readers) == len(run.shards) and not any(
-            r.skipped_shards for r in readers)
-    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3' do not match their xxh3_128"):
+        assert set().union(*(r.verified_shards for r in readers)) == {run.shard_path(sc) for sc in run.shards}
+        assert not any(r.skipped_shards for r in readers)
+    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3'\) do not match their xxh3_128"):
         consumers(run, tensors="mlp_out.3")
-    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3' do not match"):
-        list(run.token_batches(16, "mlp_out.3"))  # one consumer: the shard is one piece, checked as fetched
+    with pytest.raises(CorruptShardError, match=r"tensor 'mlp_out.3'\) do not match"):
+        list(run.token_batches(16, "mlp_out.3"))

@@ -175,8 +175,8 @@ def written_the_old_way(sidecar: Path) -> bytes:
     n = int.from_bytes(data[:8], "little")
     spans = {name: entry["data_offsets"] for name, entry in json.loads(data[8 : 8 + n]).items()
              if name != "__metadata__"}
-    for key in ("checksum", "digest", "tensor_digests"):
-        del obj[key]
+    for key in ("checksum", "digest", "tensor_digests", "chunk_bytes", "chunk_digests", "source_digest"):
+        obj.pop(key, None)  # nor did they have chunk digests, nor pin their source
     obj["sha256"] = hashlib.sha256(data).hexdigest()
     obj["tensor_sha256"] = {name: hashlib.sha256(data[8 + n + a : 8 + n + b]).hexdigest()
                             for name, (a, b) in spans.items()}
@@ -210,6 +210,7 @@ def test_a_run_written_before_sidecars_named_their_checksum_reads_verifies_and_r
     assert {path: path.read_bytes() for path in kept} == kept
     new = [json.loads(p.read_text()) for p in old.glob("stream_*/shard_*.json") if p not in kept]
     assert new and all(sc["checksum"] == "xxh3_128" and "sha256" not in sc for sc in new)
+    assert not any("source_digest" in sc for sc in new)  # resumed as before pins: unpinned
     checked = verify(old, run.env)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     (data_a, _), (data_old, leftovers) = (committed(Storage(str(out))) for out in (run.a, old))

@@ -28,7 +28,7 @@ from harvest.errors import RetryLater, UserError
 from harvest.extract.pipeline import run_pipeline
 from harvest.extract.report import Progress, summarize
 from harvest.extract.runinfo import agreed, build_run_info, check_run
-from harvest.extract.shards import ShardWriter
+from harvest.extract.shards import ShardWriter, pin_sources
 from harvest.extract.startup import Startup, since_start
 from harvest.model import (
     Decoder,
@@ -284,6 +284,7 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     dtype = np.dtype(fmt.STORED_DTYPES[cfg.dtype])
     code = cfg.dtype if quant.is_quantized(cfg.dtype) else None
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s], code) for s in mine if not resume[s].done}
+    pin_sources(data, chains, writers)  # a resume reads the input its committed shards were made from, or refuses
     totals = info.data["counts"]
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,

@@ -22,6 +22,7 @@ from typing import Any
 from harvest.data.batching import Piece, Row
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
+from harvest.store.listing import read_chains
 from harvest.storage import Storage
 from harvest.store.records import Progress as ProgressRecord
 from harvest.store.records import Sidecar
@@ -48,8 +49,6 @@ class Progress:
         self.bytes_committed = 0  # the data objects of those shards
         self.session_tokens = 0  # computed in this process, for the rate
         self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
-        self.long: Counter = Counter()
-        self.skipped: list[dict[str, Any]] = []
         self.shards = 0
 
     def rows_done(self, stream: int, row: Row) -> None:
@@ -72,8 +71,6 @@ class Progress:
                          totals[2] + manifest.tokens]
             self.tokens_committed += manifest.tokens
             self.bytes_committed += manifest.bytes
-            self.long.update(manifest.long)
-            self.skipped.extend(manifest.skipped)
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
             packing = tuple(self.packing.get(manifest.stream, (0, 0)))
         record = ProgressRecord(
@@ -136,9 +133,15 @@ def _every(seconds: float, tick):
 
 
 def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Progress) -> dict[str, Any]:
-    """The end-of-run account: what the streams' committed shards hold (as `harvest verify` counts it), what
-    this process computed, and nothing truncated, skipped or chunked unsaid."""
-    reasons = Counter(s["reason"].split(" (")[0] for s in progress.skipped)
+    """The end-of-run account: what the streams' committed shards hold (as `harvest verify` counts it: every
+    sidecar of the streams, those of earlier commands a resume went on from included), what this process
+    computed, and nothing truncated, skipped or chunked unsaid."""
+    sidecars = [sc for chain in read_chains(out, chosen).values() for sc in chain]
+    long: Counter = Counter()
+    for sc in sidecars:
+        long.update(sc.long)
+    skipped = [entry for sc in sidecars for entry in sc.skipped]
+    reasons = Counter(s["reason"].split(" (")[0] for s in skipped)
     real, slots = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
     return {
         "out": out.url,
@@ -152,10 +155,10 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         "bytes_per_s": round(progress.bytes_committed / max(elapsed, 1e-9), 1),  # what storage absorbed
         "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots
         "shards_written": progress.shards,
-        "truncated": progress.long["truncated"],
-        "chunked": progress.long["chunked"],
-        "skipped_long": progress.long["skipped"],
-        "skipped": len(progress.skipped),
+        "truncated": long["truncated"],
+        "chunked": long["chunked"],
+        "skipped_long": long["skipped"],
+        "skipped": len(skipped),
         "skip_reasons": dict(reasons.most_common(8)),
-        "skip_examples": [f"{s['location']}: {s['reason']}" for s in progress.skipped[:5]],
+        "skip_examples": [f"{s['location']}: {s['reason']}" for s in skipped[:5]],
     }

@@ -14,7 +14,7 @@ from harvest.errors import UserError
 from harvest.model import CapturePlan, ModelConfig
 from harvest.store import format as fmt, quant
 from harvest.storage import Storage
-from harvest.store.records import RunInfo
+from harvest.store.records import NewerFormat, RunInfo
 from harvest.version import harvest_version
 
 
@@ -85,6 +85,8 @@ def check_run(out: Storage, info: RunInfo, *, partial_overwrite: bool = False) -
         return
     try:
         existing = RunInfo.from_bytes(out.read_bytes(fmt.RUN_JSON))
+    except NewerFormat as e:
+        raise RunMismatch(f"{out.url}/run.json: {e}") from None
     except ValueError as e:
         raise RunMismatch(f"{out.url}/run.json: not a harvest run.json ({e}); use another --out") from None
     old, new = agreed(existing), agreed(info)

@@ -1,7 +1,8 @@
 """A stream's packed rows in, closed shards out: `ShardWriter` accumulates one stream's pieces (host
 numpy, storage dtype) and closes a shard before the piece that would overflow `shard_bytes`, so
 boundaries depend only on the stream, the tensors, the dtype and the shard size, never on batch size,
-mesh or host count. Closed shards go to harvest.store.commit.Committer.
+mesh or host count. Closed shards go to harvest.store.commit.Committer, each with its stream's content pin through it
+(harvest.data.pin), which `pin_sources` checks against the source before a resume reads on.
 
 No activation is copied on the host: a shard holds its pieces as views into the batches they were
 captured in (which stay alive until the shard is committed), and the Committer writes and hashes them
@@ -15,8 +16,11 @@ from typing import Any
 import numpy as np
 
 from harvest.data.batching import Piece, Row, Skip
+from harvest.data.pin import SourcePin, read_pin
+from harvest.errors import UserError
 from harvest.store import format as fmt, quant
 from harvest.store.commit import ClosedShard, ResumePoint
+from harvest.store.records import Sidecar
 from harvest.store.stats import RunningStats
 
 
@@ -34,6 +38,7 @@ class ShardWriter:
         self.quantize = quantize
         self.dtype = np.dtype(np.float32) if quantize else dtype
         self.shard_bytes = shard_bytes
+        self.pin: SourcePin | None = None  # the stream's content pin (pin_sources), None for a run made before pins
         # Bytes a piece adds: its activations (and scales) and tokens, plus offsets, sample_ids and variants entries.
         self.token_bytes = (sum(widths.values()) + 4 * len(widths) if quantize
                             else sum(widths.values()) * dtype.itemsize) + 4
@@ -110,6 +115,10 @@ class ShardWriter:
     def _close(self, *, next: fmt.Position, row_start: fmt.Position, final: bool, records: int) -> ClosedShard:
         tensors = {name: pieces or [np.zeros((0, self.widths[name]), self.dtype)]
                    for name, pieces in self.pieces.items()}
+        through = pinned_records(next)
+        digest = None if self.pin is None else self.pin.digest(through)
+        if self.pin is not None:
+            self.pin.forget(through)
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,
@@ -129,6 +138,7 @@ class ShardWriter:
             first_stats={name: RunningStats.of(np.concatenate(rows) if rows else np.zeros((0, self.widths[name])))
                          for name, rows in self.firsts.items()},
             quantization=quant.record(self.quantize) if self.quantize else None,
+            source_digest=digest,
         )
         self.shard += 1
         self.start = next
@@ -138,3 +148,29 @@ class ShardWriter:
 
 def _slots(moments: dict) -> int:
     return len(next(iter(moments.values()))[0])
+
+
+def pinned_records(next: fmt.Position) -> int:
+    """The records a stream's shards through one ending at `next` hold a piece or a skip of: those before next's
+    record, and that record too where the shard holds some of its pieces (a long text's first chunks)."""
+    return next[0] + (next[1] > 0)
+
+
+def pin_sources(data, chains: dict[int, list[Sidecar]], writers: dict[int, ShardWriter]) -> None:
+    """Each written stream's content pin, checked against what its committed shards were made from: the stream's
+    records through the last one are re-read (their bytes, unparsed) and hashed, and a resume over an edited source
+    is refused in one line before anything is committed. A stream resumed from sidecars written before pins goes
+    on unpinned, as it did. The pin then goes with the stream's next read (`data`: harvest.data.streams) and its
+    writer, which puts it in every sidecar."""
+    for stream, writer in writers.items():
+        chain = chains[stream]
+        if chain and chain[-1].source_digest is None:
+            continue
+        start, through = (chain[-1].row_start[0], pinned_records(chain[-1].next)) if chain else (0, 0)
+        pin, digest = read_pin(data.raw_records(stream), start, through)
+        if chain and digest != chain[-1].source_digest:
+            raise UserError(f"{data.where(stream)}: stream {stream} changed since the run began (its first {through} records, "
+                            f"which the committed shards were made from, read differently now); restore the input "
+                            "the run was started with, or rerun with --overwrite to start the stream over")
+        data.pin_reads(stream, pin)
+        writer.pin = pin

@@ -7,9 +7,9 @@ layout/gather/shuffle/errors; all of them only read harvest.store and harvest.st
 """
 
 from harvest.read.batches import TokenBatches
-from harvest.read.errors import CorruptShardError, StateError, UnknownTensorError
+from harvest.read.errors import CorruptShardError, StartedOverError, StateError, UnknownTensorError
 from harvest.read.run import Run, open_run
 from harvest.store.snapshot import Sample, Snapshot
 
-__all__ = ["CorruptShardError", "Run", "Sample", "Snapshot", "StateError", "TokenBatches", "UnknownTensorError",
-           "open_run"]
+__all__ = ["CorruptShardError", "Run", "Sample", "Snapshot", "StartedOverError", "StateError", "TokenBatches",
+           "UnknownTensorError", "open_run"]

@@ -15,6 +15,10 @@ Several ranks with no snapshot on a run still being written are refused: each wo
 moment and serve some tokens twice and others never. A sole consumer may instead follow a run being written
 (`follow=`): its first epoch is read in rounds of newly committed shards until the run is complete
 (harvest.read.rounds), batches run on across rounds and epochs, and later epochs read the whole run.
+Shard numbers count within a stream's generation: the reader's position (and its saved state) records the
+generation of the shards it counts, and a reader whose epoch's shards (or a follower's rounds) belong to a
+generation that has ended since (the stream was started over by an --overwrite) stops with one line
+(StartedOverError) rather than read other shards under the same numbers.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ class TokenBatches:
         self._cursor = Cursor(int(epoch), 0, 0)
         self._first_epoch = int(epoch)
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
+        self._generations: dict[int, str] | None = None  # the generation of each stream whose shards are counted
         self._pinned = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
         self._loaded_order: Order | None = None
         self._poll, self._book, self._on_wait = follow, rounds, on_wait
@@ -174,7 +179,7 @@ class TokenBatches:
         self._served = 0  # rows served in the current epoch
         self._batches = 0  # batches handed out by this object
         self._handed: tuple[RunInfo, dict[str, Any]] | None = None  # the run and position after the last batch
-        self._planned: set[tuple[int, int]] = set()  # shards in any epoch's plan so far: verified by then
+        self._planned: set[tuple] = set()  # shards (with generation and object) in any plan so far: verified by then
         self.shards_seen = 0
 
     @property
@@ -228,6 +233,7 @@ class TokenBatches:
         return {"epoch": self._cursor.epoch, "group": self._cursor.group, "row": self._cursor.row,
                 "first_epoch": self._first_epoch,
                 "shards": None if counts is None else {str(s): n for s, n in counts.items()},
+                "generations": None if self._generations is None else {str(s): g for s, g in self._generations.items()},
                 "round": self._round,
                 "round_start": None if self._round_start is None else {str(s): n for s, n in self._round_start.items()},
                 "served": self._served, "skipped_shards": sorted(self.skipped_shards)}
@@ -246,8 +252,9 @@ class TokenBatches:
             diff = ", ".join(f"{k}={getattr(saved, k)!r} (now {getattr(mine, k)!r})"
                              for k in Order.__dataclass_fields__ if getattr(saved, k) != getattr(mine, k))
             raise StateError(f"{url}: the reader state was saved with other settings: {diff}")
-        counts = state["shards"]
+        counts, generations = state["shards"], state.get("generations")
         self._epoch_counts = None if counts is None else {int(s): int(n) for s, n in counts.items()}
+        self._generations = None if generations is None else {int(s): str(g) for s, g in generations.items()}
         self._cursor = Cursor(int(state["epoch"]), int(state["group"]), int(state["row"]))
         self._first_epoch = int(state["first_epoch"])
         start = state.get("round_start")
@@ -258,14 +265,17 @@ class TokenBatches:
 
     # the plan --------------------------------------------------------------------------------------------
     def _epoch_shards(self, order: Order) -> list[Sidecar]:
-        """The epoch's shards: as the saved state or the snapshot fixed them, else the reader's listing
-        (re-listed at a new epoch of a run still being written when this is the only consumer)."""
+        """The epoch's shards: as the saved state or the snapshot fixed them (in the generations they were
+        counted in), else the reader's listing (re-listed at a new epoch of a run still being written when this
+        is the only consumer)."""
         counts = self._epoch_counts if self._epoch_counts is not None else self._pinned
         sole = order.world * order.workers == 1
         if counts is None and sole and self._cursor.epoch > self._first_epoch and not self.view.complete(order.streams):
             self.view = Snapshot.take(self.storage)
         if counts is not None and any(len(self.view.of_stream(s)) < n for s, n in counts.items()):
-            self.view = Snapshot.take(self.storage)
+            read, self.view = self.view.generations(), Snapshot.take(self.storage)
+            self.view.check_generations({s: g for s, g in read.items() if s in counts})
+        self.view.check_generations(self._generations or {})
         wanted = None if order.streams is None else set(order.streams)
         if counts is None:
             counts = {s: n for s, n in self.view.counts().items() if wanted is None or s in wanted}
@@ -273,7 +283,7 @@ class TokenBatches:
             view = self.view.limited({s: n for s, n in counts.items() if wanted is None or s in wanted})
         except ValueError as e:
             raise StateError(f"{self.view.url}: the reader state or snapshot is not this run's ({e})") from None
-        self._epoch_counts = counts
+        self._epoch_counts, self._generations = counts, view.generations()
         writing = sum(1 for s in counts if not view.done(s))
         self.shards_seen = len(view.shards)
         # said once, and again while the run grows: a small run read for many epochs would repeat it each time
@@ -289,8 +299,9 @@ class TokenBatches:
         everyone = shuffle.epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle, round_)
         mine = shuffle.share(everyone, order.rank, order.world, order.worker, order.workers)
         owned = shuffle.shards_to_verify(everyone, order.rank, order.world, order.worker, order.workers)
-        self.pieces.to_verify = owned - self._planned
-        self._planned |= {(sc.stream, sc.shard) for sc in shards}
+        keys = {(sc.stream, sc.shard): (sc.stream, sc.shard, sc.generation, sc.file) for sc in shards}
+        self.pieces.to_verify = {shard for shard in owned if keys[shard] not in self._planned}
+        self._planned |= set(keys.values())
         return shuffle.groups(mine, order.buffer)
 
     # iteration -------------------------------------------------------------------------------------------
@@ -315,6 +326,7 @@ class TokenBatches:
                         self._endless_and_empty(order, carry)
                     carry = None
             self._cursor, self._epoch_counts, self._served = Cursor(self._cursor.epoch + 1, 0, 0), None, 0
+            self._generations = None
             self._round, self._round_start = 0, None
         if carry is not None and not self.drop_last:
             yield self._hand({k: v[:carry[1]] for k, v in carry[0].items()})
@@ -325,14 +337,17 @@ class TokenBatches:
         follower = Follower(self.storage, order.streams, self._poll, self._book, self._on_wait)
         while True:
             if self._epoch_counts is None:
-                self.view, decided = follower.next(self.view, epoch, self._round, self._round_start or {})
+                self.view, decided = follower.next(self.view, epoch, self._round, self._round_start or {},
+                                                   self._generations or {})
                 if decided is None:
                     follower.ended(epoch, self._round, self._served)
                     return carry
                 self._round_start, self._epoch_counts = decided.start, decided.end
+                self._generations = decided.generations or {s: self.view.of_stream(s)[0].generation
+                                                            for s in decided.end}
                 self._cursor = Cursor(epoch, 0, 0)
             else:
-                self.view = follower.covering(self.view, self._epoch_counts)
+                self.view = follower.covering(self.view, self._epoch_counts, self._generations or {})
             start = self._round_start or {}
             shards = [sc for sc in self.view.limited(self._epoch_counts).shards if sc.shard >= start.get(sc.stream, 0)]
             self.shards_seen = sum(self._epoch_counts.values())

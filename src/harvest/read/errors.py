@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from harvest.errors import UserError
 from harvest.store.listing import CorruptShardError  # raised by the store's reads of committed shards too
+from harvest.store.snapshot import StartedOverError  # a stream read was started over (a new generation)
 
-__all__ = ["CorruptShardError", "StateError", "UnknownTensorError"]
+__all__ = ["CorruptShardError", "StartedOverError", "StateError", "UnknownTensorError"]
 
 
 class UnknownTensorError(UserError, KeyError):

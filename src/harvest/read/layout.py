@@ -1,5 +1,9 @@
 """A shard's bytes as token batches fetch them: rows of a tensor as one ranged read (or a view of the mapped
-local file), the header checked against the sidecar and run.json, and the bytes checked against checksums.
+local file), the header checked against the sidecar and run.json, and the bytes checked against checksums:
+with the sidecar's chunk digests, the chunks holding the rows served (`checked_rows`: the range fetched is
+widened to whole chunks, at most two more per tensor and piece); without them, whole tensors or the whole
+file (`verify_bytes`, `verify_fetched`). `small_tensor` reads a shard's offsets, sample ids or variants whole,
+checked against their digest.
 
 Where tensors lie, and whole-file or range hashing, are harvest.read.shardfile's.
 """
@@ -23,6 +27,44 @@ def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) ->
     if len(data) != end - start:
         raise ValueError(f"the file ends {end - start - len(data)} bytes short of what its header describes")
     return np.frombuffer(data, span.dtype).reshape((hi - lo, *span.shape[1:]))
+
+
+def checked_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int, sidecar: Sidecar, name: str,
+                 buf=None) -> tuple[np.ndarray, int]:
+    """(rows [lo, hi) of tensor `name`, bytes hashed): the whole chunks holding them fetched (from `buf`, a
+    mapped local file, when given) and checked against the sidecar's chunk digests. ValueError naming the
+    chunk that does not match, or when the file is cut short."""
+    size, want = sidecar.chunk_bytes, sidecar.chunk_digests.get(name)
+    start, end = span.rows(lo, hi)
+    first, last = (start - span.start) // size, -(-(end - span.start) // size)
+    at, until = span.start + first * size, min(span.start + last * size, span.end)
+    if want is None or len(want) != -(-(span.end - span.start) // size):
+        raise ValueError(f"its sidecar has no {sidecar.algorithm} for each {size} bytes of tensor {name!r}")
+    data = storage.read_range(rel, at, until) if buf is None and until > at else (
+        memoryview(buf)[at:until] if until > at else b"")
+    if len(data) != until - at:
+        raise ValueError(f"the file ends {until - at - len(data)} bytes short of what its header describes")
+    got = encoding.chunk_digests(data, sidecar.algorithm, size)
+    for k, (mine, theirs) in enumerate(zip(got, want[first:last])):
+        if mine != theirs:
+            raise ValueError(f"bytes {at + k * size}-{min(at + (k + 1) * size, until)} (chunk {first + k} of tensor "
+                             f"{name!r}) do not match their {sidecar.algorithm} in the sidecar ({theirs[:12]}...)")
+    count = (hi - lo) * (span.row_bytes // span.dtype.itemsize)
+    rows = np.frombuffer(data, span.dtype, count=count, offset=start - at).reshape((hi - lo, *span.shape[1:]))
+    return rows, until - at
+
+
+def small_tensor(storage: Storage, rel: str, span: TensorSpan, sidecar: Sidecar, name: str, check: bool) -> np.ndarray:
+    """A small tensor (offsets, sample ids, variants) read whole, checked against its digest in the sidecar
+    when `check` and the sidecar has one (an older one may hold the whole file's only)."""
+    data = storage.read_range(rel, span.start, span.end) if span.end > span.start else b""
+    if len(data) != span.end - span.start:
+        raise ValueError(f"the file ends {span.end - span.start - len(data)} bytes short of what its header describes")
+    if check and sidecar.tensor_digests is not None and encoding.digest(data, sidecar.algorithm) != (
+            want := _wanted(sidecar, name)):
+        raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
+                         f"({want[:12]}...)")
+    return np.frombuffer(data, span.dtype).reshape(span.shape)
 
 
 def rows_of(buf, span: TensorSpan, lo: int, hi: int) -> np.ndarray:

@@ -4,17 +4,23 @@ faults in; and the rows to leave out (special tokens).
 
 What is checked, and when. Every consumer checks a shard's header before serving its first piece of it
 (once per reader): it parses, names this shard, describes the sidecar's byte count and token count and
-the run's widths and dtype, the file has the sidecar's length, and every range arrives whole. Bytes are
-checked against checksums by one consumer per shard among all ranks and data-loader workers (the one
-dealt the shard's first piece, harvest.read.shuffle), once per reader, before it serves any of the
-shard's pieces. With the sidecar's per-tensor digests (by the checksum it names: xxh3_128, or sha256 in
-older runs) it checks the tensors asked for: a piece that is a whole shard by the bytes it fetched, a
-shard cut into pieces by reading those tensors once more (less than the data served). A sidecar from
-before those existed has only the whole file's sha256, so the whole file is read. `verify`: "sha256"
-always checks (by whichever checksum the sidecar names); "auto" (default) checks with per-tensor digests,
-and in older runs only when the tensors asked for are at least half of a shard's bytes; "header" never.
-A shard that fails stops the reader with one line naming it, or with `on_corrupt="skip"` is left out (the
-pieces of it this consumer reads) and counted in `skipped_shards`.
+the run's widths and dtype, the file has the sidecar's length, and every range arrives whole; and it reads
+the shard's offsets, sample ids and variants whole, checked against their digests in the sidecar and
+against the sidecar's counts (a reader that leaves out each sample's first tokens goes by the offsets).
+Bytes are checked against checksums by every consumer, whatever its share, where the sidecar has chunk
+digests (harvest.store.encoding): each piece's rows are fetched as the whole chunks that hold them, each
+chunk checked before any row of the piece is served (harvest.read.layout.checked_rows). Sidecars written
+before chunk digests keep the older rule: one consumer per shard among all ranks and data-loader workers
+checks the bytes (the one dealt the shard's first piece, harvest.read.shuffle), once per reader, before it
+serves any of the shard's pieces: with the sidecar's per-tensor digests (by the checksum it names: xxh3_128,
+or sha256 in older runs) it checks the tensors asked for, a piece that is a whole shard by the bytes it
+fetched, a shard cut into pieces by reading those tensors once more (less than the data served); a sidecar
+from before those existed has only the whole file's sha256, so the whole file is read. `verify`: "sha256"
+always checks (by whichever checksum the sidecar names); "auto" (default) checks with chunk or per-tensor
+digests, and in the oldest runs only when the tensors asked for are at least half of a shard's bytes;
+"header" never checks a checksum. A piece that fails stops the reader with one line naming its shard, or
+with `on_corrupt="skip"` is left out (with the older rule: every piece of the shard this consumer reads),
+its shard counted in `skipped_shards`.
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from harvest.errors import UserError
 from harvest.read.errors import CorruptShardError
 from harvest.read.gather import Part
-from harvest.read.layout import checked_layout, prefault, read_rows, rows_of, verify_bytes, verify_fetched
+from harvest.read.layout import (checked_layout, checked_rows, prefault, read_rows, rows_of, small_tensor, verify_bytes,
+                                 verify_fetched)
 from harvest.read.shuffle import Piece
 from harvest.storage import Storage
 from harvest.store import quant
+from harvest.store.listing import SHARD_ARRAYS, stream_generation
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, map_file
-from harvest.store.snapshot import Snapshot, shard_path
+from harvest.store.snapshot import Snapshot, shard_path, started_over
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +84,8 @@ class PieceReader:
             cols = self._ranged(rel, sc, piece)
             later = self._later(rel, sc, piece, skip_first) if skip_first else None
         except (ValueError, FileNotFoundError) as e:
+            if self._ended(sc):  # not damage: the stream was started over, and its old objects deleted
+                raise started_over(self.url, [sc.stream]) from None
             if self.on_corrupt == "stop":
                 raise CorruptShardError(f"{self.url}/{rel}: {e}; run `harvest verify {self.url}`, or read "
                                         f"past it with on_corrupt='skip'") from None
@@ -106,19 +117,24 @@ class PieceReader:
 
     def _later(self, rel: str, sc: Sidecar, piece: Piece, skip_first: int) -> np.ndarray:
         """Which rows of the piece lie at position `skip_first` or later within their sample (from the shard's
-        offsets, whose header was checked with the rest)."""
-        span = self._layout(rel, sc, whole=False).tensors["offsets"]
-        offsets = read_rows(self.storage, rel, span, 0, span.shape[0])
+        offsets, checked with its header)."""
+        offsets = self._layout(rel, sc, whole=False)[1]
         rows = np.arange(piece.lo, piece.hi)
         starts = offsets[np.searchsorted(offsets, rows, side="right") - 1]
         return rows - starts >= skip_first
 
     def _ranged(self, rel: str, sc: Sidecar, piece: Piece) -> dict[str, np.ndarray]:
-        layout = self._layout(rel, sc, whole=piece.lo == 0 and piece.hi == sc.tokens)
-        if not self.storage.is_local:
+        layout = self._layout(rel, sc, whole=piece.lo == 0 and piece.hi == sc.tokens)[0]
+        # locally the page cache, copied once: where a batch gathers its rows
+        buf = map_file(self.storage.path(rel)) if self.storage.is_local else None
+        if self._chunked(sc):
+            fetched = {k: checked_rows(self.storage, rel, layout.tensors[k], piece.lo, piece.hi, sc, k, buf)
+                       for k in self.keys}
+            self._record(rel, sum(hashed for _, hashed in fetched.values()))
+            return {k: rows for k, (rows, _) in fetched.items()}
+        if buf is None:
             cols = {k: read_rows(self.storage, rel, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
         else:
-            buf = map_file(self.storage.path(rel))  # the page cache, copied once: where a batch gathers its rows
             cols = {k: rows_of(buf, layout.tensors[k], piece.lo, piece.hi) for k in self.keys}
             for v in cols.values():
                 prefault(v)
@@ -127,9 +143,9 @@ class PieceReader:
             self._verify_fetched.discard(rel)
         return cols
 
-    def _layout(self, rel: str, sc: Sidecar, whole: bool) -> ShardLayout:
-        """A shard's header, read and checked once per reader (and its bytes when this consumer verifies
-        them), whichever reading thread gets there first; the others wait for it."""
+    def _layout(self, rel: str, sc: Sidecar, whole: bool) -> tuple[ShardLayout, np.ndarray]:
+        """A shard's header and offsets, read and checked once per reader (and its bytes when this consumer
+        verifies them by the older rule), whichever reading thread gets there first; the others wait for it."""
         with self._lock:
             known = self._layouts.get(rel)
             mine = known is None
@@ -142,21 +158,44 @@ class PieceReader:
                 known.set_exception(e)
         return known.result()
 
-    def _check(self, rel: str, sc: Sidecar, whole: bool) -> ShardLayout:
-        """The header checked; the bytes too when this consumer verifies the shard: now, or, for a shard
-        read whole with per-tensor checksums, by the bytes its one piece fetches (before they are served)."""
+    def _check(self, rel: str, sc: Sidecar, whole: bool) -> tuple[ShardLayout, np.ndarray]:
+        """The header and the small tensors checked (returns the offsets); by the older rule the bytes too
+        when this consumer verifies the shard: now, or, for a shard read whole with per-tensor checksums, by
+        the bytes its one piece fetches (before they are served)."""
         layout = checked_layout(self.storage, rel, sc, self.widths, self.stored, self.dtype_name)
-        if (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
+        small = {}
+        for name in SHARD_ARRAYS[1:]:
+            span = layout.tensors.get(name)
+            want = (sc.samples + (name == "offsets"),)
+            if span is None or span.shape != want:
+                raise ValueError(f"tensor {name!r} is {'missing' if span is None else list(span.shape)}, "
+                                 f"the sidecar says {list(want)}")
+            small[name] = small_tensor(self.storage, rel, span, sc, name, self.verify != "header")
+        offsets = small["offsets"]
+        if offsets[0] != 0 or offsets[-1] != sc.tokens or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"its offsets do not cut its {sc.tokens} tokens into samples")
+        if not self._chunked(sc) and (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
             if whole and sc.tensor_digests is not None:
                 self._verify_fetched.add(rel)
             else:
                 self._record(rel, verify_bytes(self.storage, rel, layout, sc, self.keys))
-        return layout
+        return layout, offsets
 
     def _record(self, rel: str, hashed: int) -> None:
         with self._lock:
             self.verified_shards.add(rel)
             self.bytes_hashed += hashed
+
+    def _ended(self, sc: Sidecar) -> bool:
+        """Whether the shard's generation has ended (its stream started over since it was listed)."""
+        try:
+            return stream_generation(self.storage, sc.stream) != sc.generation
+        except UserError:
+            return False  # a damaged lease: the shard is judged as it reads
+
+    def _chunked(self, sc: Sidecar) -> bool:
+        """Whether this consumer checks the chunks it fetches of the shard (the sidecar has their digests)."""
+        return sc.chunk_digests is not None and self.verify != "header"
 
     def _hashes(self, sc: Sidecar) -> bool:
         if self.verify == "header":

@@ -8,6 +8,17 @@ every `poll` seconds, saying what it waits for; the epoch ends when every stream
 A round is decided once: in the reader's state, and in `book` (a folder, `epoch_EEEEE/round_RRRRRR.json`
 created only if absent) when given, so that a rerun that reaches a round again takes the same shards, and a
 user can see which shards each round took.
+
+Shard numbers count within a stream's generation (harvest.store.listing.stream_generation): an --overwrite
+of a stream (a partial one, or a full one, even one that leaves run.json byte for byte the same) starts a new
+generation whose shards are numbered from 0 again. A round records the generation of each stream it reads,
+and the follower stops with one line (StartedOverError) when a stream it read has started over: when a
+listing shows it, when a recorded round or a saved state names an ended generation, or when a shard it reads
+is gone with its generation. Why not go on with the new generation: the rows already served cannot be taken
+back, and the new generation holds the same samples again (an identical overwrite gives the same rows), so
+taking it from its start serves them twice, and taking it from where the ended one stood mixes two
+generations' rows of one stream, which no reader can compare once the ended one is deleted. A person who
+started the stream over starts the reader over too.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from harvest.read.errors import StateError
@@ -33,24 +44,28 @@ REPEAT_S = 600.0  # while waiting, the progress line again every this many secon
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """Shards [start[s], end[s]) of each stream s, read as round `number` of epoch `epoch`."""
+    """Shards [start[s], end[s]) of each stream s, in its generation `generations[s]`, read as round `number` of
+    epoch `epoch` (rounds recorded before generations have none: the streams' current ones)."""
 
     epoch: int
     number: int
     start: dict[int, int]
     end: dict[int, int]
     tokens: int
+    generations: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def shards(self) -> int:
         return sum(n - self.start.get(s, 0) for s, n in self.end.items())
 
     def to_json(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "round": self.number, "start": {str(s): n for s, n in self.start.items()},
-                "end": {str(s): n for s, n in self.end.items()}, "shards": self.shards(), "tokens": self.tokens}
+                "end": {str(s): n for s, n in self.end.items()}, "shards": self.shards(), "tokens": self.tokens,
+                "generations": {str(s): g for s, g in self.generations.items()}}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Round:
-        return cls(int(obj["epoch"]), int(obj["round"]), counts(obj["start"]), counts(obj["end"]), int(obj["tokens"]))
+        return cls(int(obj["epoch"]), int(obj["round"]), counts(obj["start"]), counts(obj["end"]), int(obj["tokens"]),
+                   {int(s): str(g) for s, g in obj.get("generations", {}).items()})
 
 
 def counts(obj: dict) -> dict[int, int]:
@@ -85,8 +100,10 @@ class Follower:
     def _wanted(self, view: Snapshot) -> dict[int, int]:
         return {s: n for s, n in view.counts().items() if self.streams is None or s in self.streams}
 
-    def covering(self, view: Snapshot, end: ShardCounts) -> Snapshot:
-        """`view`, grown until it holds the shards `end` names (a round decided by an earlier reader)."""
+    def covering(self, view: Snapshot, end: ShardCounts, generations: Mapping[int, str]) -> Snapshot:
+        """`view`, grown until it holds the shards `end` names in `generations` (a round decided by an earlier
+        reader); StartedOverError when one of those generations has ended."""
+        view.check_generations(generations)
         if all(len(view.of_stream(s)) >= n for s, n in end.items()):
             return view
         view = view.grown(self.storage)
@@ -95,13 +112,16 @@ class Follower:
                              f"({view.counts()}): the reader state or its rounds are another run's")
         return view
 
-    def next(self, view: Snapshot, epoch: int, number: int, start: ShardCounts) -> tuple[Snapshot, Round | None]:
-        """(the view, grown, and round `number`, starting after `start`): the recorded one if the book holds it,
-        else the shards committed past `start`, waited for; None when the streams are complete and read."""
+    def next(self, view: Snapshot, epoch: int, number: int, start: ShardCounts, read: Mapping[int, str]
+             ) -> tuple[Snapshot, Round | None]:
+        """(the view, grown, and round `number`, starting after `start`, shards of generations `read`): the
+        recorded one if the book holds it, else the shards committed past `start`, waited for; None when the
+        streams are complete and read. StartedOverError when a stream read has started over."""
         path = round_path(epoch, number)
+        view.check_generations(read)
         if self.book is not None and self.book.exists(path):
             decided = Round.from_json(self.book.read_json(path))
-            return self.covering(view, decided.end), decided
+            return self.covering(view, decided.end, decided.generations), decided
         since = None
         while True:
             now = self._wanted(view)
@@ -115,10 +135,11 @@ class Follower:
             sigterm.sleep(self.poll)
             view = view.grown(self.storage)
         tokens = sum(sc.tokens for s, n in now.items() for sc in view.of_stream(s)[start.get(s, 0):n])
-        decided = Round(epoch, number, counts(start), now, tokens)
+        generations = view.generations()
+        decided = Round(epoch, number, counts(start), now, tokens, {s: generations[s] for s in now})
         if self.book is not None and not self.book.create_exclusive(path, json.dumps(decided.to_json()).encode()):
             decided = Round.from_json(self.book.read_json(path))  # another reader decided it first
-            view = self.covering(view, decided.end)
+            view = self.covering(view, decided.end, decided.generations)
         log.info("%s: epoch %d round %d reads %d newly committed shards (%d tokens)", view.url, epoch, number,
                  decided.shards(), decided.tokens)
         return view, decided

@@ -37,7 +37,9 @@ class Run:
     def __init__(self, storage: Storage, view: Snapshot):
         self.storage = storage
         self._set_view(view)
-        self._cache: collections.OrderedDict[tuple[int, int], dict[str, np.ndarray]] = collections.OrderedDict()
+        # decoded shards by (stream, shard, generation, data object): a shard number names other bytes after an
+        # --overwrite (a new generation) or a rerun's commit (another attempt's object)
+        self._cache: collections.OrderedDict[tuple, dict[str, np.ndarray]] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
 
     def _set_view(self, view: Snapshot) -> None:
@@ -46,7 +48,8 @@ class Run:
         self._full_index: dict[tuple[int, int], tuple[int, int]] | None = None
 
     def refresh(self) -> Run:
-        """Pick up shards committed since open (a run still being written)."""
+        """Pick up shards committed since open (a run still being written), or the run as an --overwrite left
+        it (samples are read from the new shards)."""
         self._set_view(Snapshot.take(self.storage))
         return self
 
@@ -118,7 +121,7 @@ class Run:
         return read_shard(self.storage, sidecar)
 
     def _cached_shard(self, sidecar: Sidecar) -> dict[str, np.ndarray]:
-        key = (sidecar.stream, sidecar.shard)
+        key = (sidecar.stream, sidecar.shard, sidecar.generation, sidecar.file)
         with self._cache_lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -1,22 +1,29 @@
 """The commit protocol: a shard's data object is written under a name no other writer uses (it carries the
 attempt's id), then the shard is committed by creating its sidecar only if absent (`Storage.create_exclusive`).
-A writer whose create fails has lost the stream to whoever committed that shard first: it stops writing it.
-So each stream's sidecars form one contiguous chain, every sample is committed once, and a sidecar always
-names a data object that exists, whatever the timing of the writers, their clocks and their flags.
+A writer whose create fails reads the sidecar that won: where it no longer holds the lease it stops (exit 3);
+where it still holds it (the winner was a writer that stalled past its last lease check and woke after the
+takeover), it goes on from that shard if it commits the same range (shards are deterministic), else stops
+retryably (exit 75). So each stream's sidecars form one contiguous chain, every sample is committed once, a
+sidecar always names a data object that exists, and no wake order stops the stream's holder for good, whatever
+the timing of the writers, their clocks and their flags.
 Data objects no sidecar names are leftovers: `sweep` deletes those that can never be committed.
 
 `--overwrite` empties a stream by one rule: a wipe starts a new generation of the stream, and no writer,
-reader or sweep ever uses another generation's objects than the one it started in. The generation is named in
-the stream's lease, changed by a compare-and-swap from the version the wiper holds (so it lands only while the
-wiper holds the stream); every writer commits into the generation its lease named when it took the stream, in
-that generation's own directory (harvest.store.format.shard_dir), and readers read the one lease.json names.
+reader or sweep ever uses another generation's objects than the one it started in. The generation a writer
+writes is named in the stream's lease, changed by a compare-and-swap from the version the wiper holds (so it
+lands only while the wiper holds the stream); every writer commits into the generation its lease named when it
+took the stream, in that generation's own directory (harvest.store.format.shard_dir). Readers read the one the
+stream's generation pointer names (generation.json, which no lease operation can lose: harvest.store.generation):
+a wipe reads the pointer, swaps the lease, swaps the pointer from the version it read, and only then deletes the
+ended generations; a taker reconciles the pointer with the lease it took before it writes.
 So a writer stalled across any sweeps and wipes can only create sidecars in a generation no reader reads, no
 deleted name is ever created again in the current generation, and a delete landing however late deletes
 objects of an ended generation only: a wipe deletes the generations the lease records as ended, sweep only
 data objects of its own generation whose shard is committed to another object or lies past the stream's final
 shard. A stream the new run.json no longer names (a full overwrite with fewer streams) is deleted whole after
-its generation is ended: no reader of the run looks there (its lease goes too, the one delete not confined to
-ended generations: it would matter only to a later overwrite adding the stream back while it is in flight).
+its generation is ended and its heartbeat stopped: no reader of the run looks there (its lease goes too, the
+one delete not confined to ended generations: it would matter only to a later overwrite adding the stream back
+while it is in flight); a later extract of the whole run finishes a drop that was interrupted.
 
 `Committer` encodes and commits closed shards on background threads, in order within a stream, through
 bounded queues (when storage falls behind the producer waits; nothing is dropped); a shard's data object
@@ -41,11 +48,11 @@ from typing import Any, Callable
 import numpy as np
 
 from harvest.errors import FencedOut, RetryLater, UserError
-from harvest.store import encoding, format as fmt
+from harvest.store import encoding, format as fmt, generation as pointer
 from harvest.storage import Storage
 from harvest.store.listing import read_chain, read_sidecar
 from harvest.store.lease import Leases
-from harvest.store.records import Sidecar
+from harvest.store.records import GenerationRecord, Sidecar
 from harvest.store.stats import RunningStats
 
 
@@ -103,6 +110,7 @@ class ClosedShard:
     moments: dict[str, tuple[list, list]]
     first_stats: dict[str, RunningStats] | None = None  # of each sample's first token, per tensor
     quantization: dict | None = None  # harvest.store.quant.record, where the tensors are 8-bit codes
+    source_digest: str | None = None  # the stream's content pin through the shard (harvest.data.pin)
 
 
 @dataclasses.dataclass
@@ -156,12 +164,18 @@ def sweep(storage: Storage, stream: int, generation: str, guard: Callable[[int],
 
 def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, generation: str | None = None) -> None:
     """Empty `stream` for --overwrite under this worker's lease, by the rule of the module docstring: start a
-    new generation (`generation`, a fresh random one by default), then delete the objects of every ended one
-    and the stream's progress. `whole`: the stream leaves the run, so its whole directory goes."""
-    ended = leases.start_generation(stream, generation or uuid.uuid4().hex[:16])
+    new generation (`generation`, a fresh random one by default) in the lease, then in the stream's generation
+    pointer, then delete the objects of every ended one and the stream's progress. `whole`: the stream leaves the
+    run, so its whole directory goes, once this worker stopped heartbeating its lease (no write of it lands in
+    the directory being deleted)."""
+    seen = pointer.read(storage, stream)  # before the lease's swap: a stalled wiper's late swap then lands nothing
+    new = generation or uuid.uuid4().hex[:16]
+    ended = leases.start_generation(stream, new)
     if whole:
+        leases.forget(stream)
         storage.delete_tree(fmt.stream_dir(stream))
         return
+    pointer.advance(storage, stream, GenerationRecord(new, ended), seen)
     directory = fmt.stream_dir(stream)
     storage.delete_many(f"{directory}/{name}" for name in storage.listdir(directory) if name == fmt.PROGRESS or (
         "" in ended and (fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None)))
@@ -397,7 +411,7 @@ class Committer:
         )
         generation = self.generation(shard.stream)
         return _Encoded(shard, parts, generation,
-                        {name: self._work.submit(encoding.digest, blocks, self.checksum)
+                        {name: self._work.submit(encoding.tensor_checksums, blocks, self.checksum, encoding.CHUNK_BYTES)
                          for name, blocks in encoding.tensor_parts(parts).items()},
                         {name: self._work.submit(RunningStats.of_pieces, blocks, *shard.moments[name])
                          for name, blocks in shard.tensors.items() if name in shard.moments},
@@ -406,14 +420,16 @@ class Committer:
 
     def _commit(self, encoded: _Encoded) -> None:
         shard, parts = encoded.shard, encoded.parts
-        tensors = {name: future.result() for name, future in encoded.tensor_digests.items()}
+        sums = {name: future.result() for name, future in encoded.tensor_digests.items()}  # (digest, chunks')
+        tensors = {name: whole for name, (whole, _) in sums.items()}
         manifest = Sidecar.of_shard(
             parts, checksum=self.checksum, digests=(encoding.file_digest(parts, tensors, self.checksum), tensors),
+            chunk_bytes=encoding.CHUNK_BYTES, chunk_digests={name: chunks for name, (_, chunks) in sums.items()},
             stream=shard.stream, shard=shard.shard, attempt=self.attempt,
             start=shard.start, next=shard.next, row_start=shard.row_start, samples=len(shard.lengths),
             tokens=int(shard.lengths.sum()), stats={name: future.result() for name, future in encoded.stats.items()},
             skipped=shard.skipped, long=shard.long, final=shard.final, records=shard.records,
-            quantization=shard.quantization, generation=encoded.generation,
+            quantization=shard.quantization, generation=encoded.generation, source_digest=shard.source_digest,
             first_stats=None if shard.first_stats is None else {n: s.to_json() for n, s in shard.first_stats.items()},
         )
         encoded.written.result()

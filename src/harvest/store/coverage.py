@@ -1,5 +1,6 @@
 """A stream's committed shards as a sequence, for `harvest verify`: numbered 0, 1, ..., contiguous, one final
-shard, and every record exactly once (a sample or a skipped entry, nothing twice)."""
+shard (the chain's rules are listing's, which every reader applies: listing.link_problem), and every record
+exactly once (a sample or a skipped entry, nothing twice). Files are named by their generation's paths."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 
 from harvest.ranges import format_ranges
 from harvest.store import format as fmt
+from harvest.store.listing import link_problem
 from harvest.store.records import RunInfo, Sidecar
 
 
@@ -58,10 +60,11 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
         unfinished.add(fmt.stream_dir(s) + "/", "no committed shard: the stream was never started"
                      + (f" ({count} records)" if count is not None else ""))
         return
+    generation = shards[0].sidecar.generation  # the stream's current one: its files' paths name it
     gaps: list[tuple[int, int]] = []  # record-index ranges already reported as gaps
-    previous_next, expected, previous_records, final_seen = (0, 0), 0, 0, None
+    previous, previous_next, expected, previous_records, final_seen = None, (0, 0), 0, 0, None
     for sh in shards:
-        sc, rel = sh.sidecar, fmt.sidecar_path(s, sh.k)
+        sc, rel = sh.sidecar, fmt.sidecar_path(s, sh.k, generation)
         start, next_ = sc.start, sc.next
         if sh.k != expected:
             missing = (fmt.shard_stem(expected) if sh.k == expected + 1
@@ -69,18 +72,17 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
             problems.add(rel, f"gap: {missing} missing before it (records from {list(previous_next)} "
                               f"to {list(start)} are in no shard)")
             gaps.append((previous_next[0], start[0]))
-        elif start > previous_next:
-            problems.add(rel, f"gap: starts at {list(start)} but the previous shard ends at {list(previous_next)}")
-            gaps.append((previous_next[0], start[0]))
-        elif start < previous_next:
-            problems.add(rel, f"overlap: starts at {list(start)} but the previous shard already reached "
-                              f"{list(previous_next)}")
-        if final_seen is not None:
-            problems.add(rel, f"shard after the final one ({fmt.shard_stem(final_seen)})")
+        elif problem := link_problem(previous, sc):  # the chain's rules, as every reader applies them
+            if final_seen is None:
+                problem = f"{'gap' if start > previous_next else 'overlap'}: {problem}"
+                if start > previous_next:
+                    gaps.append((previous_next[0], start[0]))
+            problems.add(rel, problem)
         if sc.records < previous_records:
             problems.add(rel, f"records {sc.records} less than the previous shard's {previous_records}")
         if sc.final and final_seen is None:
             final_seen = sh.k
+        previous = sc
         previous_next, expected, previous_records = next_, sh.k + 1, sc.records
         report.shards += 1
         report.samples += sc.samples
@@ -91,7 +93,7 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
     last = shards[-1].sidecar
     if final_seen is None:
         total = f" of {count}" if count is not None else ""
-        unfinished.add(fmt.sidecar_path(s, shards[-1].k),
+        unfinished.add(fmt.sidecar_path(s, shards[-1].k, generation),
                        f"no final shard after this one: stream incomplete ({last.records}{total} records "
                        f"read, committed through {list(last.next)})")
         end = last.next[0]
@@ -99,15 +101,15 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
         final = next(sh.sidecar for sh in shards if sh.k == final_seen)
         end = final.records
         if count is not None and end != count:
-            problems.add(fmt.sidecar_path(s, final_seen),
+            problems.add(fmt.sidecar_path(s, final_seen, generation),
                          f"final shard says the stream has {end} records, run.json data.counts says {count}")
         if final.next > (end, 0):
-            problems.add(fmt.sidecar_path(s, final_seen),
+            problems.add(fmt.sidecar_path(s, final_seen, generation),
                          f"final shard ends at {list(final.next)}, past the stream's {end} records")
     report.records += end
     entries = sum(sh.sidecar.samples + len(sh.sidecar.skipped) for sh in shards)
     if end > entries + 10_000_000:  # each record needs a sample or a skip: do not allocate for a bogus count
-        problems.add(fmt.sidecar_path(s, shards[-1].k),
+        problems.add(fmt.sidecar_path(s, shards[-1].k, generation),
                      f"{end:,} records but only {entries:,} samples and skipped entries: at least "
                      f"{end - entries:,} records have neither")
         return
@@ -117,6 +119,7 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
 def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps: list[tuple[int, int]],
                    problems: Problems) -> None:
     """Exactly once: each record 0..end-1 has samples or a skipped entry, nothing twice."""
+    generation = shards[0].sidecar.generation if shards else ""
     covered = np.zeros(max(end, 0), bool)
     ids, variants, owner = [], [], []
     # Skipped entries as format.sidecar has them ({sample_id, location, reason}) name no variant: a record
@@ -153,18 +156,18 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
         for entry in sc.skipped:
             sid = entry.get("sample_id") if isinstance(entry, dict) else None
             if not isinstance(sid, int) or sid < 0 or sid % num_streams != s:
-                problems.add(fmt.sidecar_path(s, sh.k),
+                problems.add(fmt.sidecar_path(s, sh.k, generation),
                              f"skipped entry {entry!r} has no sample_id of stream {s}")
                 continue
             i, variant = sid // num_streams, entry.get("variant")
             if not (start[0] <= i and (i, 0 if variant is None else int(variant)) < next_):
-                problems.add(fmt.sidecar_path(s, sh.k),
+                problems.add(fmt.sidecar_path(s, sh.k, generation),
                              f"skipped sample_id {sid} (record {i}) outside "
                              f"[start {list(sc.start)}, next {list(sc.next)})")
             if variant is not None:  # a piece-level entry: (sample_id, variant) is unique in the run
                 key = (sid, int(variant))
                 if key in skipped_pieces:
-                    problems.add(fmt.sidecar_path(s, sh.k), f"sample_id {sid} variant {variant} "
+                    problems.add(fmt.sidecar_path(s, sh.k, generation), f"sample_id {sid} variant {variant} "
                                  f"skipped twice (also in {fmt.sidecar_name(skipped_pieces[key])})")
                 skipped_pieces[key] = sh.k
             if i < end:
@@ -181,7 +184,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
             by_shard.setdefault(int(own[j]), []).append(j)
         for k, js in sorted(by_shard.items()):
             j = js[0]
-            problems.add(fmt.data_path(s, files[k]),
+            problems.add(fmt.data_path(s, files[k], generation),
                          f"{len(js)} duplicate sample{'s' * (len(js) > 1)}: sample_id {int(sid[j])} variant "
                          f"{int(var[j])} is also in {files[int(own[j - 1])]}")
         pairs = set(zip(sid.tolist(), var.tolist())) if skipped_pieces else set()
@@ -189,7 +192,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
         pairs = set()
     for key, k in sorted(skipped_pieces.items()):
         if key in pairs:
-            problems.add(fmt.sidecar_path(s, k),
+            problems.add(fmt.sidecar_path(s, k, generation),
                          f"sample_id {key[0]} variant {key[1]} is both skipped and written")
 
     missing = np.flatnonzero(~covered)
@@ -201,7 +204,7 @@ def check_coverage(s: int, num_streams: int, shards: list[Shard], end: int, gaps
     if len(missing):
         starts = [sh.sidecar.start[0] for sh in shards]
         for k, records in _group_by_shard(missing, starts, [sh.k for sh in shards]).items():
-            problems.add(fmt.data_path(s, files[k]),
+            problems.add(fmt.data_path(s, files[k], generation),
                          f"{len(records)} record{'s' * (len(records) > 1)} in this shard's range with no sample "
                          f"and no skipped entry: records {format_ranges(records, sep=', ', limit=6)} (sample_ids "
                          f"{', '.join(str(r * num_streams + s) for r in records[:3])}{'...' * (len(records) > 3)})")

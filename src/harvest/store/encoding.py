@@ -4,9 +4,11 @@ from its buffers), decoded, its header's harvest fields read, and its checksums 
 Checksums, in the sidecar: `checksum` names the algorithm (xxh3_128 by default, ~20x faster than sha256, so
 writing the bytes costs one write and no more; or sha256), `tensor_digests` each tensor's bytes (a ranged read
 checks what it fetched), `digest` the file's: the digest of the header's digest followed by each tensor's in
-file order, so one pass over the bytes gives them all (`shard_digests`). Sidecars written before `checksum`
-existed hold the whole file's sha256 (`sha256`) and each tensor's (`tensor_sha256`): they read, verify and
-resume as before (harvest.store.records.Sidecar).
+file order, so one pass over the bytes gives them all (`shard_digests`); and `chunk_digests` each CHUNK_BYTES
+of each tensor's bytes (the last chunk shorter), taken in the same pass (`shard_checksums`), so that a reader
+of any rows of a tensor checks exactly the chunks it fetched. Sidecars written before `checksum` existed hold
+the whole file's sha256 (`sha256`) and each tensor's (`tensor_sha256`), and those written before chunk
+digests none: they read, verify and resume as before (harvest.store.records.Sidecar).
 """
 
 from __future__ import annotations
@@ -208,3 +210,40 @@ def shard_digests(parts: list, checksum: str) -> tuple[str, dict[str, str]]:
     """(the file's digest, {tensor: digest}) in one pass over a shard's bytes (`shard_parts` or `file_parts`)."""
     tensors = tensor_digests(parts, checksum)
     return file_digest(parts, tensors, checksum), tensors
+
+
+CHUNK_BYTES = 2**20  # a tensor's bytes are checksummed per chunk of this size too (a reader fetches whole chunks)
+
+
+def tensor_checksums(blocks: list, checksum: str, chunk_bytes: int) -> tuple[str, list[str]]:
+    """A tensor's digest and its chunks' (each `chunk_bytes` of its bytes, the last one shorter) in one pass over
+    its blocks: each chunk is hashed into both while it is in the cache."""
+    whole, chunk, filled, chunks = hasher(checksum), hasher(checksum), 0, []
+    for block in blocks:
+        view = memoryview(block).cast("B")
+        at = 0
+        while at < len(view):
+            part = view[at:at + chunk_bytes - filled]
+            whole.update(part)
+            chunk.update(part)
+            at, filled = at + len(part), filled + len(part)
+            if filled == chunk_bytes:
+                chunks.append(chunk.hexdigest())
+                chunk, filled = hasher(checksum), 0
+    if filled:
+        chunks.append(chunk.hexdigest())
+    return whole.hexdigest(), chunks
+
+
+def chunk_digests(data, checksum: str, chunk_bytes: int) -> list[str]:
+    """The digests of consecutive `chunk_bytes` of `data` (bytes, a memoryview or an array's), the last shorter."""
+    view = memoryview(data).cast("B")
+    return [digest(view[at:at + chunk_bytes], checksum) for at in range(0, len(view), chunk_bytes)]
+
+
+def shard_checksums(parts: list, checksum: str, chunk_bytes: int
+                    ) -> tuple[str, dict[str, str], dict[str, list[str]]]:
+    """(the file's digest, {tensor: digest}, {tensor: [chunk digests]}) in one pass over a shard's bytes."""
+    sums = {name: tensor_checksums(blocks, checksum, chunk_bytes) for name, blocks in tensor_parts(parts).items()}
+    tensors = {name: whole for name, (whole, _) in sums.items()}
+    return file_digest(parts, tensors, checksum), tensors, {name: chunks for name, (_, chunks) in sums.items()}

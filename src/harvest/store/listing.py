@@ -21,7 +21,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.records import LeaseRecord, Progress, RunInfo, Sidecar
+from harvest.store.records import LeaseRecord, NewerFormat, Progress, RunInfo, Sidecar
 
 SHARD_ARRAYS = ("tokens", "offsets", "sample_ids", "variants")  # the non-activation tensors of a shard
 _IO_THREADS = 16
@@ -85,15 +85,13 @@ def read_run_info(storage: Storage) -> RunInfo:
         raise UserError(f"{storage.url}: no run.json here, so not a harvest run; check the URL "
                         f"(a run writes run.json before its first shard)")
     try:
-        info = RunInfo.from_bytes(storage.read_bytes(fmt.RUN_JSON))
+        return RunInfo.from_bytes(storage.read_bytes(fmt.RUN_JSON))
     except UserError as e:  # StorageError names the file already
         raise UserError(f"{e}; the run's metadata is damaged") from None
+    except NewerFormat as e:
+        raise UserError(f"{storage.url_of(fmt.RUN_JSON)}: {e}") from None
     except ValueError as e:
         raise UserError(f"{storage.url_of(fmt.RUN_JSON)}: not a harvest run.json ({e})") from None
-    if info.format_version > fmt.FORMAT_VERSION:
-        raise UserError(f"{storage.url_of(fmt.RUN_JSON)}: format_version {info.format_version} is newer than this "
-                        f"harvest reads ({fmt.FORMAT_VERSION}); upgrade harvest")
-    return info
 
 
 def read_sidecar(storage: Storage, stream: int, shard: int, generation: str) -> Sidecar:
@@ -162,12 +160,8 @@ def _chain(storage: Storage, stream: int, generation: str, numbers: list[int], s
         elif isinstance(sidecar := sidecars[(stream, number)], str):
             problem = (f"{storage.url_of(rel)}: not a harvest sidecar ({sidecar}); `harvest verify` shows what else "
                        "is wrong")
-        elif chain and chain[-1].final:
-            problem = (f"{storage.url_of(rel)}: a shard after the stream's final shard {number - 1}; `harvest verify` "
-                       "shows what else is wrong")
-        elif chain and sidecar.start != chain[-1].next:
-            problem = (f"{storage.url_of(rel)}: does not continue shard {number - 1} (starts at {list(sidecar.start)}, "
-                       f"not {list(chain[-1].next)}); `harvest verify` shows what else is wrong")
+        elif link := link_problem(chain[-1] if chain else None, sidecar):
+            problem = f"{storage.url_of(rel)}: {link}; `harvest verify` shows what else is wrong"
         else:
             chain.append(sidecar)
             continue
@@ -175,6 +169,19 @@ def _chain(storage: Storage, stream: int, generation: str, numbers: list[int], s
             raise UserError(problem)
         break
     return chain
+
+
+def link_problem(previous: Sidecar | None, sidecar: Sidecar) -> str | None:
+    """Why `sidecar` cannot follow `previous` in a stream's chain (None: the chain's first shard), None when it
+    can: the chain's rules, which every reader and `harvest verify` apply (the numbering aside: shard k follows
+    k-1). A chain starts at [0, 0], each shard where the one before ends, and ends with its final shard."""
+    if previous is not None and previous.final:
+        return f"a shard after the stream's final shard {previous.shard}"
+    start = (0, 0) if previous is None else previous.next
+    if sidecar.start != start:
+        after = "the stream's start" if previous is None else f"shard {previous.shard}"
+        return f"does not continue {after} (starts at {list(sidecar.start)}, not {list(start)})"
+    return None
 
 
 def _contiguous(numbers: list[int]) -> list[int]:

@@ -125,6 +125,38 @@ class LeaseRecord(Record):
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationRecord(Record):
+    """`stream_NNNNN/generation.json`: the stream's committed generation, the one its readers read, and the
+    generations wipes ended (harvest.store.generation). Readers never read it from the lease, which a person may
+    delete; a stream without one (never wiped, or written before it existed) reads its lease's, else ""."""
+
+    generation: str = ""
+    ended: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> GenerationRecord:
+        record = super().from_json(obj)
+        if not all(isinstance(g, str) and fmt.is_generation(g) for g in [record.generation, *record.ended]):
+            raise ValueError(f"field 'generation' or 'ended': not a generation ({record.generation!r}, "
+                             f"{record.ended!r})")
+        return record
+
+
+
+
+class NewerFormat(ValueError):
+    """A record written by a newer harvest, in a format this one does not read: upgrade harvest."""
+
+
+def check_format(version: int) -> None:
+    """Formats 1 up to this harvest's (fmt.FORMAT_VERSION) are read, older ones as they were written; a newer
+    one is refused (NewerFormat), and one below 1 was never written by harvest."""
+    if version > fmt.FORMAT_VERSION:
+        raise NewerFormat(f"format_version {version} was written by a newer harvest (this one reads formats up to "
+                          f"{fmt.FORMAT_VERSION}); upgrade harvest to read it")
+    if version < 1:
+        raise ValueError(f"format_version {version} is no harvest format (1 to {fmt.FORMAT_VERSION})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +178,13 @@ class Sidecar(Record):
     tensors are stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
     of each sample's first token alone (before quantization), to tell how much the attention sinks hold.
     `generation`: the stream's generation it was committed in (harvest.store.format.shard_dir; "" is left out).
+    `source_digest`: the stream's content pin through the records its shards hold a piece or a skip of
+    (harvest.data.pin; xxh3_128, hex): a resume re-reads them and refuses an edited source. None (left out on
+    storage) in sidecars written before pins, and for a stream resumed from one of them.
+    `chunk_bytes`, `chunk_digests`: {tensor: [digest of each `chunk_bytes` of its bytes, the last shorter]} by
+    `checksum` (encoding.tensor_checksums), so that a reader of any rows checks the chunks it fetched
+    (harvest.read.layout); None in sidecars written before them (left out on storage), which are read by the
+    older rule (harvest.read.pieces).
     """
 
     format_version: int
@@ -166,9 +205,12 @@ class Sidecar(Record):
     records: int
     tensor_digests: dict | None = None
     quantization: dict | None = None
+    source_digest: str | None = None
     first_stats: dict | None = None
     checksum: str | None = None  # None: an older sidecar (the whole file's sha256, per-tensor sha256)
     generation: str = ""
+    chunk_bytes: int | None = None
+    chunk_digests: dict | None = None
 
     @classmethod
     def of_shard(cls, data: bytes | list, *, stream: int, shard: int, stats: dict[str, Any], attempt: str = "",
@@ -176,10 +218,16 @@ class Sidecar(Record):
                  **fields: Any) -> Sidecar:
         """The sidecar of shard bytes `data` (or its parts, as encoding.shard_parts gives them), written by
         `attempt`: names, size and checksums by `checksum` (default: encoding.default_checksum()) from them,
-        or `digests` (encoding.shard_digests) when already computed; `stats` as RunningStats."""
+        or `digests` (encoding.shard_digests) when already computed (chunk digests then come in `fields`, or
+        not at all); `stats` as RunningStats."""
         checksum = checksum or encoding.default_checksum()
-        digest, tensors = digests or encoding.shard_digests(
-            data if isinstance(data, list) else encoding.file_parts(data), checksum)
+        if digests is None:
+            parts = data if isinstance(data, list) else encoding.file_parts(data)
+            chunk_bytes = fields.pop("chunk_bytes", None) or encoding.CHUNK_BYTES
+            digest, tensors, chunks = encoding.shard_checksums(parts, checksum, chunk_bytes)
+            fields.update(chunk_bytes=chunk_bytes, chunk_digests=chunks)
+        else:
+            digest, tensors = digests
         return cls(format_version=fmt.FORMAT_VERSION, stream=stream, shard=shard,
                    file=fmt.shard_file(shard, attempt),
                    bytes=sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data),
@@ -196,15 +244,21 @@ class Sidecar(Record):
         None when nothing does. An older sidecar's file digest is the plain sha256 of the bytes."""
         if len(data) != self.bytes:
             return f"the file is {len(data)} bytes, its sidecar says {self.bytes} (cut short or replaced)"
-        parts = encoding.file_parts(data)
+        parts, chunks = encoding.file_parts(data), {}
         if self.checksum is None:
             tensors = encoding.tensor_digests(parts, "sha256") if self.tensor_digests else {}
             whole = encoding.digest(data, "sha256")
+        elif self.chunk_digests is not None:
+            whole, tensors, chunks = encoding.shard_checksums(parts, self.checksum, self.chunk_bytes)
         else:
             whole, tensors = encoding.shard_digests(parts, self.checksum)
         for name, want in (self.tensor_digests or {}).items():
             if tensors.get(name) != want:
                 return f"checksum mismatch in tensor {name} ({self.algorithm} {str(want)[:12]}... in the sidecar)"
+        for name, want in (self.chunk_digests or {}).items():
+            if chunks.get(name) != want:
+                return (f"checksum mismatch in tensor {name}'s chunks ({self.algorithm} of each {self.chunk_bytes} "
+                        "bytes in the sidecar)")
         if whole != self.digest:
             return (f"checksum mismatch: {self.algorithm} {whole[:16]}..., sidecar says {self.digest[:16]}... "
                     f"(corrupted or overwritten)")
@@ -212,8 +266,12 @@ class Sidecar(Record):
 
     def to_json(self) -> dict[str, Any]:
         obj = super().to_json()
+        if self.source_digest is None:  # as sidecars were before content pins
+            del obj["source_digest"]
         if not self.generation:  # as sidecars were before generations: a stream never wiped reads the same
             del obj["generation"]
+        if self.chunk_digests is None:  # as sidecars were before chunk digests
+            del obj["chunk_bytes"], obj["chunk_digests"]
         if self.checksum is None:  # an older sidecar keeps its own keys
             obj["sha256"] = obj.pop("digest")
             obj.pop("checksum")
@@ -226,6 +284,7 @@ class Sidecar(Record):
             obj = {("digest" if k == "sha256" else "tensor_digests" if k == "tensor_sha256" else k): v
                    for k, v in obj.items()}
         sidecar = super().from_json(obj)
+        check_format(sidecar.format_version)
         for name in ("start", "next", "row_start"):
             if len(getattr(sidecar, name)) != 2:
                 raise ValueError(f"field {name!r}: expected [index, variant], got {list(getattr(sidecar, name))}")
@@ -235,7 +294,21 @@ class Sidecar(Record):
             raise ValueError(f"field 'file': {sidecar.file!r} is not a data object of shard {sidecar.shard}")
         if not fmt.is_generation(sidecar.generation):
             raise ValueError(f"field 'generation': {sidecar.generation!r} is not a generation")
+        _check_chunks(sidecar)
         return sidecar
+
+
+def _check_chunks(sidecar: Sidecar) -> None:
+    """Chunk digests come with their size, as lists of strings, for tensors the sidecar has a digest of."""
+    chunks, size = sidecar.chunk_digests, sidecar.chunk_bytes
+    if chunks is None and size is None:
+        return
+    if chunks is None or size is None or size <= 0 or sidecar.checksum is None:
+        raise ValueError(f"fields 'chunk_bytes' and 'chunk_digests' go together, with a checksum (got {size!r})")
+    for name, digests in chunks.items():
+        if name not in (sidecar.tensor_digests or {}) or not isinstance(digests, list) or not all(
+                isinstance(d, str) for d in digests):
+            raise ValueError(f"field 'chunk_digests': {name!r} is not a tensor's list of digests")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,3 +353,9 @@ class RunInfo(Record):
     config_sha256: str
     special_token_ids: list | None = None  # the tokenizer's special tokens, left out of SAE batches (None: older run)
     quantization: dict | None = None  # {scheme, scale_dtype} where dtype is an 8-bit code (harvest.store.quant)
+
+    @classmethod
+    def from_json(cls, obj: Any) -> RunInfo:
+        info = super().from_json(obj)
+        check_format(info.format_version)
+        return info

@@ -19,11 +19,24 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import encoding, format as fmt, quant
-from harvest.store.listing import CorruptShardError, covered_streams, read_chains, read_run_info
+from harvest.store.listing import SHARD_ARRAYS, CorruptShardError, covered_streams, read_chains, read_run_info
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.stats import RunningStats
 
 ShardCounts = Mapping[int, int]  # {stream: committed shards}: how ranks agree on the shards they split
+
+
+class StartedOverError(UserError):
+    """A stream read was started over (a new generation: an --overwrite) while its reader read it."""
+
+
+def started_over(url: str, streams: Iterable[int]) -> StartedOverError:
+    """The one line for streams that a reader read in a generation that has ended since."""
+    streams = sorted(streams)
+    return StartedOverError(
+        f"{url}: stream{'s' if len(streams) > 1 else ''} {', '.join(map(str, streams))} started over (an --overwrite "
+        "gave it a new generation) while it was being read: what was read of it is no longer the run; start the "
+        "reader over too (a new --out for an SAE)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +81,21 @@ class Snapshot:
                             "over too (a new --out for an SAE)")
         known = {(sc.stream, sc.shard): sc for sc in self.shards}
         chains = read_chains(storage, covered_streams(info), known=known)
-        return dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
+        grown = dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
+        grown.check_generations(self.generations())
+        return grown
+
+    def generations(self) -> dict[int, str]:
+        """{stream: the generation its committed shards are of}, for the streams with any."""
+        return {s: scs[0].generation for s, scs in self._by_stream.items()}
+
+    def check_generations(self, read: Mapping[int, str]) -> None:
+        """StartedOverError when a stream whose shards of generation `read[stream]` were read has other shards
+        now, or none (a wipe ended that generation: an --overwrite)."""
+        now = self.generations()
+        gone = [s for s, g in read.items() if now.get(int(s)) != g]
+        if gone:
+            raise started_over(self.url, gone)
 
     def limited(self, counts: ShardCounts) -> Snapshot:
         """The first counts[stream] shards of each stream named (streams not named are left out).
@@ -82,12 +109,15 @@ class Snapshot:
 
     def slim(self, names: list[str]) -> Snapshot:
         """What token batches of tensors `names` need, and no more (it is what a data-loader worker is
-        handed): the sidecars without stats or skipped entries, with the checksums of those tensors only."""
-        keep = {"tokens", *names, *map(quant.scale_name, names)}
+        handed): the sidecars without stats or skipped entries, with the checksums of those tensors (and of
+        the small ones every reader checks) only."""
+        keep = {*SHARD_ARRAYS, *names, *map(quant.scale_name, names)}
 
         def slimmed(sc: Sidecar) -> Sidecar:
             sums = None if sc.tensor_digests is None else {k: v for k, v in sc.tensor_digests.items() if k in keep}
-            return dataclasses.replace(sc, stats={}, skipped=[], tensor_digests=sums, first_stats=None)
+            chunks = None if sc.chunk_digests is None else {k: v for k, v in sc.chunk_digests.items() if k in keep}
+            return dataclasses.replace(sc, stats={}, skipped=[], tensor_digests=sums, chunk_digests=chunks,
+                                       first_stats=None)
 
         return dataclasses.replace(self, shards=tuple(map(slimmed, self.shards)))
 

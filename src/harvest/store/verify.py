@@ -45,7 +45,7 @@ from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
 from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
                                    read_sidecar, stream_generation)
-from harvest.store.records import RunInfo, Sidecar
+from harvest.store.records import RunInfo, Sidecar, check_format
 from harvest.store.report import human_bytes
 
 _EXPECTED_ARRAYS = {"tokens": (np.int32, 1), "offsets": (np.int64, 1), "sample_ids": (np.int64, 1),
@@ -122,7 +122,15 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
             shards = [Shard(k, sidecars[(s, k)], *arrays.get((s, k), (None, None)))
                       for k in listing[s][0] if sidecars[(s, k)] is not None]
             named = {sh.sidecar.file for sh in shards}
-            report.leftovers += [fmt.data_path(s, name, listing[s][2]) for name in listing[s][1] if name not in named]
+            unnamed = [name for name in listing[s][1] if name not in named]
+            damaged = {k for k in listing[s][0] if sidecars[(s, k)] is None}
+            for name in unnamed:  # an object of a shard whose sidecar is there but unreadable is that shard's
+                rel = fmt.data_path(s, name, listing[s][2])
+                if fmt.data_file_shard(name) in damaged:
+                    problems.add(rel, f"may be the data of {fmt.sidecar_name(fmt.data_file_shard(name))}, which "
+                                      "cannot be read: committed state is damaged here, not a leftover")
+                else:
+                    report.leftovers.append(rel)
             report.ended += listing[s][3]
             check_stream(info, s, shards, problems, report, unfinished)
     report.problems, report.unfinished = problems.lines(storage.url), unfinished.lines(storage.url)
@@ -151,8 +159,13 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     if not isinstance(info, dict):
         problems.add(fmt.RUN_JSON, "not a JSON object")
         return None
-    if info.get("format_version") != fmt.FORMAT_VERSION:
-        bad.append(f"format_version {info.get('format_version')!r}, this harvest reads {fmt.FORMAT_VERSION}")
+    version = info.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool):
+        try:  # the readers' rule (records.check_format): a run of another format is not checked further
+            check_format(version)
+        except ValueError as e:
+            problems.add(fmt.RUN_JSON, str(e))
+            return None
     tensors = info.get("tensors")
     if not isinstance(tensors, dict) or not tensors or not all(
             isinstance(w, int) and w > 0 for w in tensors.values()):
