@@ -207,6 +207,10 @@ class _PinnedReads:
     def _check_stream(self, stream: int) -> None:
         raise NotImplementedError
 
+    def where(self, stream: int) -> str:
+        """Where the stream's records come from, for a message."""
+        raise NotImplementedError
+
     def pin_reads(self, stream: int, pin: SourcePin) -> None:
         self._check_stream(stream)
         self._pins[stream] = pin
@@ -267,6 +271,9 @@ class StreamSet(_PinnedReads):
 
     def stream_url(self, stream: int) -> str:
         return _join(self.url, stream_name(stream))
+
+    def where(self, stream: int) -> str:
+        return self.stream_url(stream)
 
     def sample_id(self, stream: int, index: int) -> int:
         return index * self.num_streams + stream
@@ -406,6 +413,9 @@ class SourceStreams(_PinnedReads):
     def sample_id(self, stream: int, index: int) -> int:
         self._check_stream(stream)
         return index
+
+    def where(self, stream: int) -> str:
+        return self.spec
 
     def _check_stream(self, stream: int) -> None:
         if stream != 0:
