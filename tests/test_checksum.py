@@ -4,6 +4,7 @@ still read and verify. Checked against digests computed here with hashlib and xx
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -12,6 +13,7 @@ import xxhash
 from shard_helpers import closed_shard
 
 from harvest.storage import Storage
+from harvest.store import encoding
 from harvest.store.commit import Committer
 from harvest.store.listing import CorruptShardError, read_chain
 from harvest.store.records import Sidecar
@@ -87,3 +89,28 @@ def test_a_checksum_this_harvest_does_not_know_is_one_line_when_read(tmp_path):
         read_shard(storage, other)
     assert "unknown checksum 'blake9'" in str(e.value) and "upgrade harvest" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_chunk_digests_cover_each_tensor_in_fixed_chunks_in_the_same_pass(tmp_path):
+    """The committer records each tensor's digest per CHUNK_BYTES (one chunk each in this small shard), and
+    Sidecar.of_shard any chunk size: each the plain digest of that many of the tensor's bytes, the last shorter;
+    a sidecar whose chunk digests do not match the bytes is named by Sidecar.mismatch (and so by verify)."""
+    storage, sidecar, data = committed(tmp_path, None)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header.pop("__metadata__")
+    spans = {name: (8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1]) for name, e in header.items()}
+    assert sidecar.chunk_bytes == encoding.CHUNK_BYTES
+    assert sidecar.chunk_digests == {name: [xxhash.xxh3_128(data[a:b]).hexdigest()] if b > a else []
+                                     for name, (a, b) in spans.items()}
+    small = Sidecar.of_shard(data, stream=0, shard=0, stats={}, chunk_bytes=16, start=(0, 0), next=(1, 0),
+                             row_start=(0, 0), samples=1, tokens=8, skipped=[], long={}, final=True, records=1)
+    assert small.chunk_digests == {name: [xxhash.xxh3_128(data[at:min(at + 16, b)]).hexdigest()
+                                          for at in range(a, b, 16)] for name, (a, b) in spans.items()}
+    assert (small.digest, small.tensor_digests) == (sidecar.digest, sidecar.tensor_digests)
+    assert small.mismatch(data) is None
+    wrong = dict(small.chunk_digests, tokens=["0" * 32, *small.chunk_digests["tokens"][1:]])
+    assert "checksum mismatch in a chunk of tensor tokens" in Sidecar.from_bytes(
+        dataclasses.replace(small, chunk_digests=wrong).to_bytes()).mismatch(data)
+    with pytest.raises(ValueError, match="go together"):
+        Sidecar.from_json({**json.loads(small.to_bytes()), "chunk_bytes": None})

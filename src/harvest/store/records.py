@@ -257,7 +257,7 @@ class Sidecar(Record):
                 return f"checksum mismatch in tensor {name} ({self.algorithm} {str(want)[:12]}... in the sidecar)"
         for name, want in (self.chunk_digests or {}).items():
             if chunks.get(name) != want:
-                return (f"checksum mismatch in tensor {name}'s chunks ({self.algorithm} of each {self.chunk_bytes} "
+                return (f"checksum mismatch in a chunk of tensor {name} ({self.algorithm} of each {self.chunk_bytes} "
                         "bytes in the sidecar)")
         if whole != self.digest:
             return (f"checksum mismatch: {self.algorithm} {whole[:16]}..., sidecar says {self.digest[:16]}... "
