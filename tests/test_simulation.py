@@ -40,9 +40,9 @@ from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
 from harvest.store import encoding
 from harvest.store.commit import ResumePoint, commit, sweep, wipe
-from harvest.store.format import shard_dir
+from harvest.store.format import generation_path, shard_dir
 from harvest.store.lease import LEASE, LeaseHeld, Leases
-from harvest.store.records import LeaseRecord, Sidecar
+from harvest.store.records import GenerationRecord, LeaseRecord, Sidecar
 
 SCHEDULES = int(os.environ.get("HARVEST_SIM_SCHEDULES", "10000"))
 SAMPLES_PER_SHARD = 3
@@ -227,7 +227,11 @@ class Store(Backend):
             self.objects.pop(path, None)
 
     def current(self, stream: int) -> str:
-        """The stream's current generation, as its lease names it."""
+        """The stream's current generation, as its readers read it (listing.read_generation): its generation
+        pointer's, else its lease's."""
+        pointer = self.objects.get(f"bucket/run/{generation_path(stream)}")
+        if pointer:
+            return GenerationRecord.from_bytes(pointer[0]).generation
         lease = self.objects.get(f"bucket/run/stream_{stream:05d}/{LEASE}")
         return LeaseRecord.from_bytes(lease[0]).generation if lease else ""
 

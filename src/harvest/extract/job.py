@@ -120,8 +120,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     failure: list[BaseException] = []
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
     leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
-    # A full --overwrite with fewer streams drops the run's others (process 0 does, under their leases).
-    dropped = _streams_beyond(out, data.num_streams) if cfg.overwrite and whole and jax.process_index() == 0 else []
+    # A full --overwrite with fewer streams drops the run's others (process 0 does, under their leases); a later
+    # extract of the whole run finishes such a drop where it was interrupted.
+    dropped = _streams_beyond(out, data.num_streams) if whole and jax.process_index() == 0 else []
     existed = out.exists()
     created_run = False
     # SIGTERM ends every wait from here on (a lease's wait-out, storage's back-offs: harvest.clock), and every exit
@@ -134,6 +135,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                 distributed.barrier("harvest-leased")  # every process holds its streams before anything is deleted
                 _wipe(out, mine, dropped, leases, run_json=whole and jax.process_index() == 0)
                 distributed.barrier("harvest-overwrite")
+            else:
+                _wipe(out, [], dropped, leases, run_json=False)
             for stream in mine:  # ours now: clear what a killed predecessor's interrupted writes left
                 for directory in {fmt.stream_dir(stream), fmt.shard_dir(stream, leases.generation(stream))}:
                     out.remove_stale_temps(directory)
@@ -260,12 +263,12 @@ def _streams_beyond(out: Storage, num_streams: int) -> list[int]:
 
 
 def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: Leases, run_json: bool) -> None:
-    """--overwrite, under the leases of every stream named (harvest.store.commit.wipe: a new generation each)."""
+    """--overwrite, under the leases of every stream named (harvest.store.commit.wipe: a new generation each);
+    the `dropped` streams, beyond the run's, go whole."""
     for stream in streams_to_wipe:
         wipe(out, stream, leases)
     for stream in dropped:
         wipe(out, stream, leases, whole=True)
-        leases.forget(stream)
     if run_json:
         out.delete(fmt.RUN_JSON)
 

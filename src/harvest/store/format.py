@@ -1,6 +1,6 @@
 """The output format: every name and pattern of a run's files (made and parsed here only), the dtypes a run
 may store, and run.json. A shard file's bytes and checksums are encoded in harvest.store.encoding, its stats in
-harvest.store.stats; the sidecar, progress and lease records are typed in harvest.store.records.
+harvest.store.stats; the sidecar, progress, lease and generation records are typed in harvest.store.records.
 
 ```
 OUT/run.json                                       what the run is (model, points, dtypes, config, hash)
@@ -12,9 +12,11 @@ OUT/stream_00003/shard_000012.json                 the commit marker: written af
                                                    shard does not exist
 OUT/stream_00003/progress.json                     for `harvest status`; never read for correctness
 OUT/stream_00003/lease.json                        who writes this stream, and its generation
+OUT/stream_00003/generation.json                   the stream's committed generation, the one readers read
+                                                   (a GenerationRecord; absent: lease.json's, else "")
 OUT/stream_00003/gen_GENERATION/shard_...          a stream's shards after an --overwrite: each wipe starts a
-                                                   generation of its own (named in lease.json), whose sidecars
-                                                   and data objects lie in their own directory
+                                                   generation of its own (named in generation.json), whose
+                                                   sidecars and data objects lie in their own directory
 ```
 Stream numbers are written with 5 digits and shard numbers with 6, zero-padded, and with as many as they need
 beyond (stream_100000, shard_1000000): every number has one name, and the listing reads them all.
@@ -47,7 +49,8 @@ STORED_DTYPES = {**DTYPES, **quant.CODES}  # what a run may store: values, or 8-
 RUN_JSON = "run.json"
 PROGRESS = "progress.json"
 LEASE = "lease.json"
-STREAM_FILES = {PROGRESS, LEASE}  # in a stream directory besides data objects and sidecars
+GENERATION = "generation.json"
+STREAM_FILES = {PROGRESS, LEASE, GENERATION}  # in a stream directory besides data objects and sidecars
 
 # Numbers are written zero-padded to 5 (streams) and 6 (shards) digits and wider as they grow (stream 100000,
 # shard 1000000): a pattern takes exactly what `stream_dir`/`shard_stem` write, the padded width or more digits
@@ -118,6 +121,10 @@ def progress_path(stream: int) -> str:
 
 def lease_path(stream: int) -> str:
     return f"{stream_dir(stream)}/{LEASE}"
+
+
+def generation_path(stream: int) -> str:
+    return f"{stream_dir(stream)}/{GENERATION}"
 
 
 def shard_file(shard: int, attempt: str) -> str:

@@ -4,9 +4,11 @@ commit itself: harvest.store.commit); leases keep two workers from computing the
 
 `stream_NNNNN/lease.json` (a LeaseRecord) holds the holder's random per-process id, its TTL and a version.
 Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
-object's version (`Storage.replace_if`), so of two contenders exactly one wins. It also names the stream's
-generation (where its shards lie: harvest.store.commit), which every rewrite carries on and only a wipe
-changes (`start_generation`), by a swap that lands only while the wiper holds the stream.
+object's version (`Storage.replace_if`), so of two contenders exactly one wins. It also names the generation
+its holder writes (where its shards lie: harvest.store.commit), which every rewrite carries on and only a wipe
+changes (`start_generation`), by a swap that lands only while the wiper holds the stream. Readers read the
+stream's generation pointer instead (generation.json: harvest.store.generation), which a taker reconciles with
+the lease it took, and from which a lease created fresh (a damaged one a person deleted) takes its generation.
 
 Staleness is decided by the TTL alone, wherever the taker runs, with no wall clock compared across hosts:
 - anyone takes a released lease at once;
@@ -41,9 +43,9 @@ from collections.abc import Callable
 from harvest.clock import SYSTEM, Clock
 from harvest.errors import FencedOut, RetryLater, UserError
 from harvest.runtime.sigterm import Interrupted
-from harvest.store import format as fmt
+from harvest.store import format as fmt, generation
 from harvest.storage import Storage, Versioned
-from harvest.store.records import LeaseRecord, now_iso
+from harvest.store.records import GenerationRecord, LeaseRecord, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +190,10 @@ class Leases:
                 else:
                     watched[stream] = seen
 
-    def _record(self, version: int, like: LeaseRecord | None, released: bool = False) -> LeaseRecord:
-        """This worker's record of the lease after `like` (None: a fresh lease), its generation carried on."""
+    def _record(self, version: int, like: LeaseRecord | GenerationRecord | None, released: bool = False
+                ) -> LeaseRecord:
+        """This worker's record of the lease after `like` (a fresh lease: the generation pointer's, or None),
+        its generation carried on."""
         return LeaseRecord(worker=self.worker, version=version, heartbeat_at=now_iso(), holder=self.id,
                            ttl_s=self.ttl_s, host=self.host, pid=self.pid, process=self.process, released=released,
                            generation=like.generation if like else "", ended=list(like.ended) if like else [])
@@ -199,7 +203,7 @@ class Leases:
         current = self.storage.read_versioned(fmt.lease_path(stream))
         if current is None:
             return None
-        held = _parse(current, self.storage.url_of(fmt.lease_path(stream)))
+        held = _parse(current, self.storage, stream)
         if held.holder == self.id or not self._live(held):
             return None
         return _Watched(held, current.token, self.clock.monotonic())
@@ -214,18 +218,21 @@ class Leases:
         LeaseHeld when the watched lease moved: its holder is alive."""
         rel = fmt.lease_path(stream)
         first_sent = None  # when this process first wrote the lease: the freshness of any write of it that landed
+        seen, fresh = None, False  # the generation pointer as read before this process's last write of the lease
         while True:
             current = self.storage.read_versioned(rel)
-            if current is None:
-                mine = self._record(1, None)
+            if current is None:  # a fresh lease, from the pointer (a lease a person deleted loses nothing)
+                seen, fresh = generation.read(self.storage, stream), True
+                mine = self._record(1, generation.parse(self.storage, stream, seen))
                 first_sent = self.clock.monotonic() if first_sent is None else first_sent
                 if self.storage.create_exclusive(rel, mine.to_bytes()):
-                    self._take(stream, mine, rel, first_sent)
+                    self._take(stream, mine, rel, first_sent, seen, fresh)
                     return None
                 continue  # someone created it meanwhile: look again
-            held = _parse(current, self.storage.url_of(rel))
+            held = _parse(current, self.storage, stream)
             if held.holder == self.id and not held.released:  # this process's write landed; its reply was lost
                 self._held[stream] = _Held(held, current.token, first_sent or self.clock.monotonic())
+                self._follow(stream, seen, fresh)
                 return None
             now = self.clock.monotonic()
             if self._live(held):
@@ -241,16 +248,27 @@ class Leases:
                             stream, held.describe(), now - watched.since, held.ttl_s)
             mine = self._record(held.version + 1, held)
             first_sent = now if first_sent is None else first_sent
+            seen, fresh = generation.read(self.storage, stream), False
             if self.storage.replace_if(rel, mine.to_bytes(), current.token):
-                self._take(stream, mine, rel, first_sent)
+                self._take(stream, mine, rel, first_sent, seen, fresh)
                 return None
             # Another contender won the swap: look again (it is probably held now).
 
-    def _take(self, stream: int, mine: LeaseRecord, rel: str, sent: float) -> None:
+    def _take(self, stream: int, mine: LeaseRecord, rel: str, sent: float, seen: Versioned | None,
+              fresh: bool) -> None:
         written = self.storage.read_versioned(rel)
-        if written is None or _parse(written, rel) != mine:
+        if written is None or _parse(written, self.storage, stream) != mine:
             raise FencedOut(f"stream {stream}: the lease changed hands while it was being taken; rerun to retry")
         self._held[stream] = _Held(mine, written.token, sent)
+        self._follow(stream, seen, fresh)
+
+    def _follow(self, stream: int, seen: Versioned | None, fresh: bool) -> None:
+        """Reconcile the stream's generation pointer with the lease just taken (harvest.store.generation.follow;
+        `seen`: the pointer read before the take): a pointer ahead is taken into the lease by a fenced swap."""
+        def adopt(named: GenerationRecord) -> None:
+            self.refresh(stream, {"generation": named.generation, "ended": list(named.ended)})
+            self.check(stream)
+        generation.follow(self.storage, stream, self._held[stream].record, seen, fresh, adopt)
 
     # --- holding ----------------------------------------------------------------------------------------
 
@@ -346,7 +364,7 @@ class Leases:
                 mine = dataclasses.replace(self._record(held.record.version + 1, held.record), **(change or {}))
                 self.storage.replace_if(rel, mine.to_bytes(), held.token)
                 current = self.storage.read_versioned(rel)
-                record = _parse(current, rel) if current is not None else None
+                record = _parse(current, self.storage, stream) if current is not None else None
                 if record == mine:
                     held.record, held.token, held.confirmed = mine, current.token, sent
                     return
@@ -404,8 +422,9 @@ class Leases:
         return dropped
 
     def forget(self, stream: int) -> None:
-        """Stop holding `stream` without writing its lease: the caller deleted it with the stream."""
-        with self._state:
+        """Stop holding `stream` without writing its lease again: the caller deletes it with the stream. Taken
+        under the lock heartbeats write under: once it returns, no write of the lease is in flight."""
+        with self._io, self._state:
             self._held.pop(stream, None)
 
     def release_all(self) -> None:
@@ -416,8 +435,14 @@ class Leases:
             self.release(stream)
 
 
-def _parse(current: Versioned, where: str) -> LeaseRecord:
+def _parse(current: Versioned, storage: Storage, stream: int) -> LeaseRecord:
     try:
         return LeaseRecord.from_bytes(current.data)
     except ValueError as e:
-        raise UserError(f"{where}: not a harvest lease ({e}); delete it if no worker runs on that stream") from None
+        problem = f"{storage.url_of(fmt.lease_path(stream))}: not a harvest lease ({e})"
+    if storage.exists(fmt.generation_path(stream)):
+        raise UserError(f"{problem}; delete it if no worker runs on that stream (the stream's committed generation "
+                        "is kept in generation.json)")
+    raise UserError(f"{problem}; do not delete it: it names the generation the stream's shards lie in (the run was "
+                    "written before generation.json): restore it, or rerun with --overwrite of that stream after "
+                    "fixing it by hand")

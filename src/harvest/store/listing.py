@@ -6,8 +6,9 @@ lies in the stream directory; the sidecar names the data object it commits. A st
 its chain: sidecars from shard 0 on, each continuing the one before. Readers read only the streams run.json
 names, never every `stream_*` directory on storage (an overwrite with fewer streams may leave others).
 A stream's shards are those of its current generation (harvest.store.commit: a wipe starts a new one), named
-in its lease.json and kept in that generation's directory; a stream without a lease has generation "", its
-own directory (every run written before generations existed).
+in its generation.json (harvest.store.generation; runs written before it: in its lease.json) and kept in that
+generation's directory; a stream without either has generation "", its own directory (every run written
+before generations existed).
 Strict (the default) refuses a chain with a gap, a damaged sidecar or one that does not continue its
 predecessor in one line; lenient (status, which must show a broken run) keeps the chain up to the break.
 """
@@ -21,7 +22,7 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.records import LeaseRecord, NewerFormat, Progress, RunInfo, Sidecar
+from harvest.store.records import GenerationRecord, LeaseRecord, NewerFormat, Progress, RunInfo, Sidecar
 
 SHARD_ARRAYS = ("tokens", "offsets", "sample_ids", "variants")  # the non-activation tensors of a shard
 _IO_THREADS = 16
@@ -65,14 +66,28 @@ def sidecar_numbers(storage: Storage, stream: int, generation: str) -> list[int]
 
 
 def stream_generation(storage: Storage, stream: int) -> str:
-    """The stream's current generation, as its lease.json names it ("" without one)."""
+    """The stream's committed generation, the one its readers read (see read_generation)."""
+    return read_generation(storage, stream).generation
+
+
+def read_generation(storage: Storage, stream: int) -> GenerationRecord:
+    """The stream's committed generation and the ended ones: its generation.json (harvest.store.generation); a
+    stream without one (never wiped, or written before it existed), its lease.json's; without either, ""."""
+    pointer = storage.read_versioned(fmt.generation_path(stream))
+    if pointer is not None:
+        try:
+            return GenerationRecord.from_bytes(pointer.data)
+        except ValueError as e:
+            raise UserError(f"{storage.url_of(fmt.generation_path(stream))}: not a harvest generation record ({e}); "
+                            "it names the generation the stream's shards lie in, so the stream cannot be read") from None
     rel = fmt.lease_path(stream)
     current = storage.read_versioned(rel)
     try:
-        return LeaseRecord.from_bytes(current.data).generation if current is not None else ""
+        lease = LeaseRecord.from_bytes(current.data) if current is not None else None
     except ValueError as e:
         raise UserError(f"{storage.url_of(rel)}: not a harvest lease ({e}); it names the generation the "
                         "stream's shards lie in, so the stream cannot be read") from None
+    return GenerationRecord(lease.generation, list(lease.ended)) if lease is not None else GenerationRecord()
 
 
 def list_stream_dirs(storage: Storage) -> list[int]:

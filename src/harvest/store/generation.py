@@ -1,0 +1,95 @@
+"""A stream's committed generation, kept where no lease operation can lose it: `stream_NNNNN/generation.json`
+(a GenerationRecord: the generation readers read, and the ended ones a wipe deletes). The lease names the
+generation its holder writes (harvest.store.lease); this pointer names the one readers read
+(harvest.store.listing.read_generation). A person may delete a damaged lease.json: the stream's next taker
+creates a fresh lease from the pointer, and nothing committed is lost.
+
+The pointer follows the lease's chain of generations, forward only, and every write of it is a compare-and-swap
+from a version read before the lease write it reflects (`read` before a take or a wipe's swap):
+- a wipe reads the pointer, swaps the lease to its new generation (fenced: it lands only while the wiper holds
+  the stream), swaps the pointer from the version it read (`advance`), and only then deletes the ended
+  generations;
+- a taker of a lease reconciles (`follow`): a lease created fresh (none there: deleted by a person) was made from
+  the pointer, which it rewrites as it is, so that a writer stalled before its swap of the pointer lands nothing;
+  a lease ahead of the pointer (a wiper stopped between its two swaps, or a run written before the pointer
+  existed) rolls it forward; a pointer ahead of the lease (the lease was recreated from an older read) is taken
+  into the lease, by the holder's fenced swap.
+So a writer stalled between its read and its swap lands nothing once another moved the pointer, and a writer
+commits into its lease's generation only once the pointer names it: the readers' generation holds every shard
+committed by a holder.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from harvest.errors import RetryLater, UserError
+from harvest.storage import Storage, Versioned
+from harvest.store import format as fmt
+from harvest.store.records import GenerationRecord, LeaseRecord
+
+
+def read(storage: Storage, stream: int) -> Versioned | None:
+    """The pointer as it is now, with the version a later swap of it compares against (None: absent)."""
+    return storage.read_versioned(fmt.generation_path(stream))
+
+
+def parse(storage: Storage, stream: int, current: Versioned | None) -> GenerationRecord | None:
+    if current is None:
+        return None
+    try:
+        return GenerationRecord.from_bytes(current.data)
+    except ValueError as e:
+        raise UserError(f"{storage.url_of(fmt.generation_path(stream))}: not a harvest generation record ({e}); it "
+                        "names the generation the stream's shards lie in: restore it (lease.json names the same "
+                        "one while no wipe runs)") from None
+
+
+def _swap(storage: Storage, stream: int, record: GenerationRecord, seen: Versioned | None) -> bool:
+    """Write the pointer only if it is still the version `seen` (None: only if absent)."""
+    rel = fmt.generation_path(stream)
+    if seen is None:
+        return storage.create_exclusive(rel, record.to_bytes())
+    return storage.replace_if(rel, record.to_bytes(), seen.token)
+
+
+def advance(storage: Storage, stream: int, record: GenerationRecord, seen: Versioned | None) -> None:
+    """A wipe's second swap: the pointer to `record` (the lease's new state) from the version `seen` read before the
+    lease's swap. RetryLater where it moved meanwhile to another generation (nothing ended is deleted then)."""
+    if _swap(storage, stream, record, seen):
+        return
+    now = parse(storage, stream, read(storage, stream))
+    if now is None or now.generation != record.generation:
+        raise RetryLater(f"stream {stream}: its generation.json changed while this worker wiped the stream (another "
+                         "worker took it over meanwhile); nothing was deleted: rerun the same command")
+
+
+def follow(storage: Storage, stream: int, lease: LeaseRecord, seen: Versioned | None, fresh: bool,
+           adopt: Callable[[GenerationRecord], None]) -> None:
+    """A taker's reconciliation of the pointer with the lease it just took (see the module docstring); `seen` was
+    read before the take, `fresh`: the lease was created (from `seen`). `adopt(record)` swaps the lease to a
+    pointer ahead of it. RetryLater where the pointer moved since `seen` to neither."""
+    mine = GenerationRecord(lease.generation, list(lease.ended))
+    named = parse(storage, stream, seen)
+    if _ahead(named, mine):
+        adopt(named)
+        return
+    if named is None and mine == GenerationRecord():
+        return  # nothing to point at: readers read generation "" without it
+    if named is not None and named.generation == mine.generation and not fresh:
+        return
+    if _swap(storage, stream, mine, seen):
+        return
+    now = parse(storage, stream, read(storage, stream))
+    if now is not None and now.generation == mine.generation:
+        return
+    if _ahead(now, mine):
+        adopt(now)
+        return
+    raise RetryLater(f"stream {stream}: its generation.json changed while this worker took the stream (another "
+                     "worker took it over meanwhile); rerun the same command")
+
+
+def _ahead(named: GenerationRecord | None, mine: GenerationRecord) -> bool:
+    """Whether the pointer names a generation after the lease's (which it records as ended)."""
+    return named is not None and named.generation != mine.generation and mine.generation in named.ended
