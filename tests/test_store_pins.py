@@ -17,7 +17,6 @@ from extract_helpers import (
     count_sidecars,
     data_files,
     harvest_cmd,
-    harvest_env,
     run_harvest,
     text_streams,
     wait_for_sidecars,
@@ -92,11 +91,18 @@ def test_a_plain_source_edited_under_a_resume_is_refused_and_restored_resumes_by
     pinned = [json.loads(p.read_text()) for p in sorted(out.glob("stream_00000/shard_*.json"))]
     assert pinned and all(len(sc["source_digest"]) == 32 for sc in pinned)
 
+    before = sum(sc["long"]["truncated"] for sc in pinned)
+    assert before > 0
+
     kept = upper_cased(source)
     assert_refused(args(source, out), env, out, str(source))
     source.write_bytes(kept)  # restored: the resume goes on and writes what a run never stopped writes
     resumed = run_harvest(*args(source, out), env=env)
     assert resumed.returncode == 0, resumed.stderr
+    # The summary counts the run's long samples, those of the shards committed before the kill included.
+    truncated = sum(json.loads(p.read_text())["long"]["truncated"] for p in out.glob("stream_*/shard_*.json"))
+    assert f"long samples: {truncated} truncated," in resumed.stdout, resumed.stdout
+    assert f"long samples: {truncated} truncated," in done.stdout, done.stdout
     files_ref, _ = data_files(reference)
     files_out, temps = data_files(out)
     run_ref, run_out = json.loads(files_ref.pop("run.json")), json.loads(files_out.pop("run.json"))

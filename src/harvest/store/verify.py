@@ -44,7 +44,7 @@ from harvest.store import encoding, format as fmt, quant
 from harvest.storage import Storage
 from harvest.store.coverage import Problems, Shard, Totals, check_stream
 from harvest.store.listing import (SHARD_ARRAYS, covered_streams, dtype_name, list_stream_dirs, read_run_info,
-                                   read_sidecar, stream_generation)
+                                   read_generation, read_sidecar)
 from harvest.store.records import RunInfo, Sidecar, check_format
 from harvest.store.report import human_bytes
 
@@ -109,7 +109,7 @@ def verify(url: str | Storage, *, workers: int = 4, only: set[int] | None = None
         if only is not None:
             streams = [s for s in streams if s in only]
         report.streams = len(streams)
-        listing = {s: list_stream(storage, s, problems) for s in streams}
+        listing = {s: list_stream(storage, s, problems, unfinished) for s in streams}
         jobs = [(s, k) for s in streams for k in listing[s][0]]
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             sidecars = dict(zip(jobs, pool.map(lambda job: checked_sidecar(storage, *job, problems, listing[job[0]][2]),
@@ -196,10 +196,14 @@ def check_run_info(storage: Storage, problems: Problems) -> RunInfo | None:
     return typed
 
 
-def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int], set[str], str, list[str]]:
-    """The shard numbers that have a sidecar in the stream's current generation, the data objects there, the
-    generation, and the files ended generations still hold; reports unknown files in the current one."""
-    generation = stream_generation(storage, s)
+def list_stream(storage: Storage, s: int, problems: Problems, unfinished: Problems
+                ) -> tuple[list[int], set[str], str, list[str]]:
+    """The shard numbers that have a sidecar in the stream's committed generation (listing.read_generation, as
+    every reader reads it), the data objects there, the generation, and the files ended generations still hold;
+    reports unknown files in the current one, and a generation neither current nor ended (a wipe stopped between
+    its swaps of the lease and of generation.json: the stream's next writer settles it) as unfinished."""
+    record = read_generation(storage, s)
+    generation = record.generation
     sdir = fmt.shard_dir(s, generation)
     sidecars, files = [], set()
     names = storage.listdir(sdir)
@@ -210,22 +214,31 @@ def list_stream(storage: Storage, s: int, problems: Problems) -> tuple[list[int]
             files.add(name)
         elif name not in fmt.STREAM_FILES and fmt.dir_generation(name) is None:
             problems.add(f"{sdir}/{name}", "unknown file in a stream directory (not a shard, sidecar, "
-                                           "progress.json or lease.json)")
+                                           "progress.json, lease.json or generation.json)")
+    for name in names if generation == "" else storage.listdir(fmt.stream_dir(s)):
+        other = fmt.dir_generation(name)
+        if other is not None and other != generation and other not in record.ended:
+            unfinished.add(fmt.shard_dir(s, other) + "/", f"a generation no reader reads yet, nor ended (a wipe "
+                                                          f"stopped part-way; generation.json names "
+                                                          f"{generation or 'the stream directory'}): rerunning the "
+                                                          "extraction settles it")
     return sorted(sidecars), files, generation, ended_files(storage, s, generation, names)
 
 
 def ended_files(storage: Storage, s: int, generation: str, listed: list[str]) -> list[str]:
-    """The files of the stream's ended generations (`listed`: the current generation's directory): what a writer
-    stalled across a wipe landed after it. No reader reads them; a later wipe deletes them."""
+    """The files of the stream's ended generations, as its generation record names them (`listed`: the current
+    generation's directory): what a writer stalled across a wipe landed after it. No reader reads them; a later
+    wipe deletes them."""
+    ended = read_generation(storage, s).ended
     top = listed if generation == "" else storage.listdir(fmt.stream_dir(s))
-    ended = [] if generation == "" else [
+    found = [] if generation == "" or "" not in ended else [
         f"{fmt.stream_dir(s)}/{name}" for name in top
         if fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None]
     for name in top:
         old = fmt.dir_generation(name)
-        if old is not None and old != generation:
-            ended += [f"{fmt.shard_dir(s, old)}/{child}" for child in storage.listdir(fmt.shard_dir(s, old))]
-    return ended
+        if old is not None and old != generation and old in ended:
+            found += [f"{fmt.shard_dir(s, old)}/{child}" for child in storage.listdir(fmt.shard_dir(s, old))]
+    return found
 
 
 def checked_sidecar(storage: Storage, s: int, k: int, problems: Problems, generation: str) -> Sidecar | None:
