@@ -96,7 +96,8 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     waits for stream 1), or both streams until the process is stalled before a commit and killed. Then an
     --overwrite starts stream 0 over (of it alone, or of all with the first command's settings: run.json stays
     byte for byte the same). The follower stops with one line: it served each shard of the ended generations
-    once, in the rounds it recorded, and nothing after; a rerun with the same round book is refused too."""
+    once, in the rounds it recorded, and nothing after; a rerun with the same round book is refused too, and so
+    is a reader's state saved before the overwrite (it counts shards of the ended generations)."""
     out, book = tmp_path / "run", tmp_path / "rounds"
     env = {**setup["env"], **({"HARVEST_TEST_STOP_BEFORE_COMMIT": stop} if stop else {})}
     writer = subprocess.Popen(extract(setup, out, *first), env=env, stdout=subprocess.DEVNULL,
@@ -119,6 +120,9 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     everything = [int(t) for tokens in old.values() for t in tokens if int(t) not in special]
     wait_for(lambda: len(follower.served) == len(everything))  # it read every committed shard, and waits
     run_json = (out / "run.json").read_bytes()
+    plain = before.token_batches(4, seed=1)  # a reader of what is committed, stopped after one batch
+    next(iter(plain))
+    state = plain.state_dict()
 
     done = run_harvest(*extract(setup, out, *again)[3:], env=setup["env"], timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -140,6 +144,10 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     rerun = open_run(str(out)).token_batches(1, follow=0.05, rounds=Storage(str(book)), shuffle=False)
     with pytest.raises(StartedOverError, match="stream 0 started over"):
         next(iter(rerun))
+    resumed = open_run(str(out)).token_batches(4, seed=1)  # its state counts shards of the ended generations
+    resumed.load_state_dict(state)
+    with pytest.raises(StartedOverError, match="streams? 0(, 1)? started over"):
+        next(iter(resumed))
 
 
 def other_model(checkpoint: Path, to: Path) -> Path:
