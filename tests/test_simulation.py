@@ -20,6 +20,7 @@ HARVEST_SIM_SCHEDULES sets how many schedules run (default 10,000).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import heapq
@@ -34,8 +35,10 @@ import numpy as np
 import pytest
 
 import harvest.storage.storage as storage_module
+import harvest.store.commit as commit_module
 import harvest.store.lease as lease_module
 from harvest.errors import UserError
+from harvest.runtime.sigterm import Interrupted
 from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
 from harvest.store import encoding
@@ -47,6 +50,7 @@ from harvest.store.records import GenerationRecord, LeaseRecord, Sidecar
 SCHEDULES = int(os.environ.get("HARVEST_SIM_SCHEDULES", "10000"))
 SAMPLES_PER_SHARD = 3
 HORIZON_S = 2000.0  # simulated seconds a schedule may run before its clean finisher
+STOP_BOUND_S = 400.0  # how long a writer may run past SIGTERM: the requests in flight (each at most a 60 s timeout)
 
 
 class Stop(Exception):
@@ -104,10 +108,24 @@ class Sim:
 
 
 class Process:
-    """One writer process: its clock (a skewed rate; a monotonic clock never jumps) and its stalls."""
+    """One writer process: its clock (a skewed rate; a monotonic clock never jumps), its stalls, and when it gets
+    SIGTERM (None: never), which ends its sleeps as harvest.clock's does (Interrupted, at once)."""
 
-    def __init__(self, sim: Sim, name: str, rate: float, stalls: list[tuple[float, float]], overwrite: str = ""):
+    def __init__(self, sim: Sim, name: str, rate: float, stalls: list[tuple[float, float]], overwrite: str = "",
+                 term_at: float | None = None, before_commit: tuple[int, float] | None = None):
         self.sim, self.name, self.rate, self.stalls, self.overwrite = sim, name, rate, stalls, overwrite
+        self.term_at = term_at
+        self.before_commit = before_commit  # (shard, seconds): stopped after its last lease check before that commit
+
+    def stop_before_commit(self, stream: int, shard: int) -> None:
+        """commit's fault injection point (HARVEST_TEST_STOP_BEFORE_COMMIT): a stall of this process (SIGSTOP)."""
+        if self.before_commit is not None and self.before_commit[0] == shard:
+            self.stalls = sorted([*self.stalls, (self.sim.now, self.sim.now + self.before_commit[1])])
+            self.before_commit = None
+            self.resume_at(self.sim.now)
+
+    def terminated(self) -> bool:
+        return self.term_at is not None and self.sim.now >= self.term_at
 
     def monotonic(self) -> float:
         return 1000.0 + self.sim.now * self.rate
@@ -116,11 +134,19 @@ class Process:
         return 1.7e9 + self.sim.now * self.rate
 
     def sleep(self, seconds: float) -> None:
-        self.resume_at(self.sim.now + max(0.0, seconds) / self.rate)
+        until = self.sim.now + max(0.0, seconds) / self.rate
+        if self.term_at is not None and until >= self.term_at:
+            self.resume_at(max(self.sim.now, self.term_at))
+            raise Interrupted("stopped on SIGTERM while waiting")
+        self.resume_at(until)
 
     def resume_at(self, t: float) -> None:
         """Wait until `t`, and past any stall that covers the moment this process would run again."""
         self.sim.wait_until(self.runs_at(t))
+
+    def running(self, start: float, end: float) -> float:
+        """How long of [start, end) this process was not stalled."""
+        return end - start - sum(max(0.0, min(end, b) - max(start, a)) for a, b in self.stalls)
 
     def runs_at(self, t: float) -> float:
         """When this process runs again if it is ready at `t`: after any stall that covers `t`."""
@@ -162,6 +188,10 @@ class Store(Backend):
         self.violations: list[str] = []
         self.process: Process | None = None  # the caller of the operation in progress
         self.dropped = False  # a full overwrite wiped stream 1
+        self.events: dict[str, int] = {}  # what the schedule reached (test_every_schedule_commits_each_sample_once)
+
+    def reached(self, event: str) -> None:
+        self.events[event] = self.events.get(event, 0) + 1
 
     # --- the network ---
 
@@ -314,61 +344,97 @@ def shard_bytes(k: int) -> tuple[bytes, tuple[str, dict[str, str]]]:
     return data, encoding.shard_digests(encoding.file_parts(data), "xxh3_128")
 
 
-def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, shards: int, outcomes: list) -> None:
+def writer(sim: Sim, store: Store, process: Process, worker: str, ttl: float, shards: int, outcomes: list,
+           stall_between_swaps: float = 0.0) -> None:
     """One `harvest extract` of stream 0: take the lease, resume after the chain, sweep, commit the rest; with
-    `process.overwrite`, wipe the stream first ("partial"), and drop stream 1 too ("full")."""
+    `process.overwrite`, wipe the stream first ("partial"), and drop stream 1 too ("full"), stalling
+    `stall_between_swaps` seconds between a wipe's swap of the lease and its swap of the generation pointer. A
+    SIGTERM (`process.term_at`) ends its waits, or stops it before its next commit; every exit releases its leases."""
     storage = Storage("sim://bucket/run", backend=store, clock=process, attempts=4, backoff=0.5, backoff_cap=8.0)
     leases = Leases(storage, worker, ttl_s=ttl, clock=process, heartbeat=False)
     leases._io = SimLock(process)
     leases.id = f"{sim.rng.getrandbits(64):016x}"  # seeded, so that a schedule replays
     leases.process = ""  # like containers on one VM: no writer can prove another alive or gone
     done = [False]
+    if stall_between_swaps:
+        swap = leases.start_generation
 
-    def heartbeat() -> None:
+        def start_generation(stream: int, generation: str) -> list[str]:
+            ended = swap(stream, generation)
+            process.sleep(stall_between_swaps)
+            return ended
+        leases.start_generation = start_generation
+
+    def heartbeat() -> None:  # a thread waiting on an Event, which SIGTERM does not end
         while not done[0]:
-            process.sleep(leases.heartbeat_interval())
+            process.resume_at(sim.now + leases.heartbeat_interval() / process.rate)
             if not done[0]:
                 leases.heartbeat_once()
 
+    def stop_if_terminated(where: str) -> None:
+        if process.terminated():
+            store.reached(f"stopped {where}")
+            raise Interrupted("stopped on SIGTERM")
+
     try:
-        leases.acquire([0, 1] if process.overwrite == "full" else [0])
+        try:
+            leases.acquire([0, 1] if process.overwrite == "full" else [0])
+        except Interrupted:
+            store.reached("stopped in the lease's wait-out")
+            raise
         PROCESS_OF[sim.spawn(heartbeat)] = process
         if process.overwrite:
             wipe(storage, 0, leases, generation=f"{sim.rng.getrandbits(64):016x}")
         if process.overwrite == "full":
             wipe(storage, 1, leases, whole=True, generation=f"{sim.rng.getrandbits(64):016x}")
-            leases.forget(1)
             store.dropped = True
         generation = leases.generation(0)
         chain = [] if process.overwrite else sweep(storage, 0, generation, leases.check)  # as the job does
         for k in range(ResumePoint.after(chain).shard, shards):
+            stop_if_terminated("between commits")
             sidecar, data = shard_of(k, shards, leases.id[:16])
             sidecar = dataclasses.replace(sidecar, generation=generation)
-            commit(storage, sidecar, data, leases.check)
+            if commit(storage, sidecar, data, leases.check).file != sidecar.file:
+                store.reached("went on after a stalled writer's commit")
+            stop_if_terminated("with a commit in flight")
             if sidecar.final:
                 sweep(storage, 0, generation, leases.check)
-        leases.release_all()
         outcomes.append((process.name, "done"))
     except LeaseHeld:
         outcomes.append((process.name, "refused"))
     except UserError as e:  # lost the stream, or storage unreachable past its budget: the job stops
         asks = "rerun with --overwrite" in str(e)  # a gap: a wipe cut short, or raced by a stale commit
         outcomes.append((process.name, "asks for --overwrite" if asks else type(e).__name__))
+    except Interrupted:
+        outcomes.append((process.name, "stopped"))
     except Stop:
         outcomes.append((process.name, "still running at the horizon"))
     finally:
         done[0] = True
+    with contextlib.suppress(Stop):
+        leases.release_all()
+    if process.term_at is not None and process.running(process.term_at, sim.now) > STOP_BOUND_S:
+        store.violations.append(f"{process.name} ran {process.running(process.term_at, sim.now):.0f}s past its "
+                                "SIGTERM")
 
 
 def start(sim: Sim, store: Store, name: str, worker: str, ttl: float, shards: int, outcomes: list, *,
-          rate: float = 1.0, stalls=(), at: float = 0.0, overwrite: str = "") -> None:
-    process = Process(sim, name, rate, list(stalls), overwrite)
+          rate: float = 1.0, stalls=(), at: float = 0.0, overwrite: str = "", term_at: float | None = None,
+          stall_between_swaps: float = 0.0, before_commit: tuple[int, float] | None = None) -> None:
+    process = Process(sim, name, rate, list(stalls), overwrite, term_at, before_commit)
 
     def delayed() -> None:
         process.resume_at(at)
-        writer(sim, store, process, worker, ttl, shards, outcomes)
+        writer(sim, store, process, worker, ttl, shards, outcomes, stall_between_swaps)
     g = sim.spawn(delayed)
     PROCESS_OF[g] = process
+
+
+def delete_lease(sim: Sim, store: Store, at: float) -> None:
+    """A person deletes stream 0's lease.json (damaged, say) at `at`, as its message allows."""
+    sim.wait_until(at)
+    if store.objects.pop(f"bucket/run/stream_00000/{LEASE}", None) is not None:
+        store.reached("lease deleted by a person")
 
 
 def check(store: Store, shards: int) -> list[str]:
@@ -398,10 +464,11 @@ def check(store: Store, shards: int) -> list[str]:
     return problems
 
 
-def schedule(seed: int) -> tuple[list[str], list]:
+def schedule(seed: int) -> tuple[list[str], list, dict[str, int]]:
     """One seeded schedule: 2-4 writers (some sharing a worker id, as two containers on one VM do; some with
-    --overwrite) over what an older run of 2 streams left, then a clean finisher. Returns the invariants'
-    problems and every writer's outcome."""
+    --overwrite, some stalled between a wipe's two swaps, some sent SIGTERM) over what an older run of 2 streams
+    left, sometimes with stream 0's lease deleted by a person, then a clean finisher. Returns the invariants'
+    problems, every writer's outcome and the events reached."""
     sim = Sim(seed)
     rng = sim.rng
     JITTER.seed(seed)
@@ -423,9 +490,14 @@ def schedule(seed: int) -> tuple[list[str], list]:
         for _ in range(rng.randint(0, 3)):
             begin = rng.uniform(0.0, 600.0)
             stalls.append((begin, begin + rng.expovariate(1.0 / (ttl * rng.choice([0.3, 1.0, 3.0])))))
+        at = rng.uniform(0.0, 200.0)
         start(sim, store, f"p{n}", rng.choice(ids[: n + 1]), ttl, shards, outcomes, rate=rng.uniform(0.8, 1.25),
-              stalls=sorted(stalls), at=rng.uniform(0.0, 200.0),
-              overwrite=rng.choices(["", "partial", "full"], [0.6, 0.2, 0.2])[0])
+              stalls=sorted(stalls), at=at, overwrite=rng.choices(["", "partial", "full"], [0.6, 0.2, 0.2])[0],
+              term_at=at + rng.uniform(0.0, 4 * ttl) if rng.random() < 0.15 else None,
+              stall_between_swaps=ttl * rng.choice([0.3, 2.0]) if rng.random() < 0.3 else 0.0,
+              before_commit=(rng.randrange(shards), ttl * rng.uniform(1.0, 4.0)) if rng.random() < 0.3 else None)
+    if rng.random() < 0.15:
+        sim.spawn(delete_lease, sim, store, rng.uniform(0.0, 600.0))
     sim.run(HORIZON_S)
     store.faults = False  # in-flight writes may still land; no new faults
     for attempt in range(4):
@@ -438,7 +510,7 @@ def schedule(seed: int) -> tuple[list[str], list]:
         outcomes += finished
         if finished and finished[0][1] == "done":
             break
-    return check(store, shards), outcomes
+    return check(store, shards), outcomes, store.events
 
 
 JITTER = random.Random()  # Storage's retry jitter, seeded per schedule
@@ -451,6 +523,8 @@ def _quiet(monkeypatch):
     carry no process key (see `writer`): the one Leases reads from /proc at its start would be thrown away."""
     monkeypatch.setattr(storage_module, "random", JITTER)
     monkeypatch.setattr(lease_module, "process_key", lambda pid=None: "")
+    monkeypatch.setattr(commit_module, "_test_stop_before_commit",
+                        lambda stream, shard: PROCESS_OF[greenlet.getcurrent()].stop_before_commit(stream, shard))
     logging.disable(logging.CRITICAL)
     yield
     logging.disable(logging.NOTSET)
@@ -461,18 +535,26 @@ def test_every_schedule_commits_each_sample_once(capsys):
     seeds = [int(only)] if only else range(SCHEDULES)
     began = time.monotonic()
     kinds: dict[str, int] = {}
+    reached: dict[str, int] = {}
     for seed in seeds:
-        problems, outcomes = schedule(seed)
+        problems, outcomes, events = schedule(seed)
         assert not problems, (f"seed {seed} (replay: HARVEST_SIM_SEED={seed} pytest {__file__}): "
                               f"{problems}; outcomes {outcomes}")
         for _, what in outcomes:
             kinds[what] = kinds.get(what, 0) + 1
+        for what, n in events.items():
+            reached[what] = reached.get(what, 0) + n
     elapsed = time.monotonic() - began
     with capsys.disabled():
-        print(f"\nsimulation: {len(seeds):,} schedules in {elapsed:.1f}s; writer outcomes {dict(sorted(kinds.items()))}")
-    # The schedules reached the cases they exist for: takeovers, lost commits, refusals, storage outages.
+        print(f"\nsimulation: {len(seeds):,} schedules in {elapsed:.1f}s; writer outcomes {dict(sorted(kinds.items()))}; "
+              f"reached {dict(sorted(reached.items()))}")
+    # The schedules reached the cases they exist for: takeovers, lost commits, refusals, storage outages, a holder
+    # going on after a stalled writer's commit, SIGTERM in every wait, leases deleted.
     if not only:
         assert kinds.get("CommitLost", 0) > 0 and kinds.get("FencedOut", 0) > 0 and kinds.get("refused", 0) > 0
+        assert all(reached.get(event, 0) > 0 for event in (
+            "went on after a stalled writer's commit", "stopped in the lease's wait-out", "stopped between commits",
+            "stopped with a commit in flight", "lease deleted by a person")), reached
 
 
 @pytest.mark.parametrize("seed", [0, 1])

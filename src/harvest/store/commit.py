@@ -175,7 +175,7 @@ def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, 
         leases.forget(stream)
         storage.delete_tree(fmt.stream_dir(stream))
         return
-    pointer.advance(storage, stream, GenerationRecord(new, ended), seen)
+    pointer.advance(storage, stream, GenerationRecord(new, ended), seen, leases.check)
     directory = fmt.stream_dir(stream)
     storage.delete_many(f"{directory}/{name}" for name in storage.listdir(directory) if name == fmt.PROGRESS or (
         "" in ended and (fmt.sidecar_shard(name) is not None or fmt.data_file_shard(name) is not None)))

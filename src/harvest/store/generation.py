@@ -53,13 +53,16 @@ def _swap(storage: Storage, stream: int, record: GenerationRecord, seen: Version
     return storage.replace_if(rel, record.to_bytes(), seen.token)
 
 
-def advance(storage: Storage, stream: int, record: GenerationRecord, seen: Versioned | None) -> None:
+def advance(storage: Storage, stream: int, record: GenerationRecord, seen: Versioned | None,
+            guard: Callable[[int], None]) -> None:
     """A wipe's second swap: the pointer to `record` (the lease's new state) from the version `seen` read before the
-    lease's swap. RetryLater where it moved meanwhile to another generation (nothing ended is deleted then)."""
+    lease's swap. Where it moved meanwhile to another generation (nothing ended is deleted then): `guard(stream)`'s
+    error where the lease was lost, else RetryLater."""
     if _swap(storage, stream, record, seen):
         return
     now = parse(storage, stream, read(storage, stream))
     if now is None or now.generation != record.generation:
+        guard(stream)
         raise RetryLater(f"stream {stream}: its generation.json changed while this worker wiped the stream (another "
                          "worker took it over meanwhile); nothing was deleted: rerun the same command")
 

@@ -337,9 +337,9 @@ class Leases:
         for stream in sorted(self._held):
             try:
                 self.refresh(stream)
-            except UserError as e:  # storage trouble: retried next time, until check() gives up
+            except (UserError, Interrupted) as e:  # storage trouble: retried next time, until check() gives up
                 log.warning("stream %d: lease heartbeat failed (%s)", stream, e)
-                with contextlib.suppress(UserError):
+                with contextlib.suppress(UserError, Interrupted):
                     self.check(stream)
 
     def _heartbeat(self) -> None:
