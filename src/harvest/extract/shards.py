@@ -169,8 +169,8 @@ def pin_sources(data, chains: dict[int, list[Sidecar]], writers: dict[int, Shard
         start, through = (chain[-1].row_start[0], pinned_records(chain[-1].next)) if chain else (0, 0)
         pin, digest = read_pin(data.raw_records(stream), start, through)
         if chain and digest != chain[-1].source_digest:
-            raise UserError(f"{data.where(stream)}: stream {stream} changed since the run began (its first {through} records, "
-                            f"which the committed shards were made from, read differently now); restore the input "
-                            "the run was started with, or rerun with --overwrite to start the stream over")
+            raise UserError(f"{data.where(stream)}: stream {stream} changed since the run began (its first {through} "
+                            "records, which the committed shards were made from, read differently now); restore the "
+                            "input the run was started with, or rerun with --overwrite to start the stream over")
         data.pin_reads(stream, pin)
         writer.pin = pin
