@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 TMP_MARK = ".harvest-tmp-"  # harvest.storage: local temp files of writes in flight (hidden from listdir)
-VOLATILE = {"progress.json", "lease.json"}  # per stream: bookkeeping, not data; may differ between runs
+# Per stream: bookkeeping, and the pointer to the generation (a random name; `committed` reads through it).
+VOLATILE = {"progress.json", "lease.json", "generation.json"}
 
 
 def harvest_env(cache: Path, devices: int = 2) -> dict[str, str]:
@@ -221,7 +222,7 @@ def committed(storage) -> tuple[dict[str, bytes], list[str]]:
 def data_files(root: Path) -> tuple[dict[str, bytes], list[str]]:
     """(what a local run holds, as `committed` gives it, with run.json and any other file beside the
     streams; the files no finished run should keep: local temp files of interrupted writes and data
-    objects no sidecar names). Per-stream progress.json and lease.json (bookkeeping) are left out."""
+    objects no sidecar names). Per-stream progress.json, lease.json and generation.json (VOLATILE) are left out."""
     from harvest.storage import Storage
 
     data, leftovers = committed(Storage(str(root)))

@@ -43,7 +43,7 @@ from harvest.storage import Backend, Storage, Versioned
 from harvest.storage.errors import PreconditionFailed
 from harvest.store import encoding
 from harvest.store.commit import ResumePoint, commit, sweep, wipe
-from harvest.store.format import generation_path, shard_dir
+from harvest.store.format import GENERATION, generation_path, shard_dir
 from harvest.store.lease import LEASE, LeaseHeld, Leases
 from harvest.store.records import GenerationRecord, LeaseRecord, Sidecar
 
@@ -457,8 +457,10 @@ def check(store: Store, shards: int) -> list[str]:
             problems.append(f"shard {k}: final is {sc.final}")
     if covered != list(range(shards * SAMPLES_PER_SHARD)):
         problems.append(f"samples committed {covered}, not each of 0..{shards * SAMPLES_PER_SHARD - 1} once")
-    # A full overwrite refused or fenced after taking stream 1's lease leaves it released: bookkeeping, no data.
-    left = [p for p in store.objects if p.startswith("bucket/run/stream_00001/") and not p.endswith(f"/{LEASE}")]
+    # A full overwrite refused or fenced after taking stream 1's lease leaves it released (and its generation
+    # pointer): bookkeeping, no data.
+    left = [p for p in store.objects if p.startswith("bucket/run/stream_00001/")
+            and not p.endswith((f"/{LEASE}", f"/{GENERATION}"))]
     if store.dropped and left:
         problems.append(f"a full overwrite dropped stream 1, yet it holds {left}")
     return problems

@@ -9,8 +9,9 @@ from a version read before the lease write it reflects (`read` before a take or 
 - a wipe reads the pointer, swaps the lease to its new generation (fenced: it lands only while the wiper holds
   the stream), swaps the pointer from the version it read (`advance`), and only then deletes the ended
   generations;
-- a taker of a lease reconciles (`follow`): a lease created fresh (none there: deleted by a person) was made from
-  the pointer, which it rewrites as it is, so that a writer stalled before its swap of the pointer lands nothing;
+- a taker of a lease reconciles (`follow`): a lease created fresh (none there: a new stream, or one deleted by a
+  person) was made from the pointer, which it rewrites as it is (creates, where absent), so that a wiper stalled
+  before its swap of the pointer lands nothing;
   a lease ahead of the pointer (a wiper stopped between its two swaps, or a run written before the pointer
   existed) rolls it forward; a pointer ahead of the lease (the lease was recreated from an older read) is taken
   into the lease, by the holder's fenced swap.
@@ -77,7 +78,7 @@ def follow(storage: Storage, stream: int, lease: LeaseRecord, seen: Versioned | 
     if _ahead(named, mine):
         adopt(named)
         return
-    if named is None and mine == GenerationRecord():
+    if named is None and mine == GenerationRecord() and not fresh:
         return  # nothing to point at: readers read generation "" without it
     if named is not None and named.generation == mine.generation and not fresh:
         return

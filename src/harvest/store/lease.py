@@ -394,10 +394,11 @@ class Leases:
                 log.warning("stream %d: could not release its lease (%s)", stream, e)
 
     def drop_untouched(self) -> list[int]:
-        """Give back, as if this worker had never come, each held stream that holds nothing but its lease (never
-        written to, never wiped: its lease names the generation "" and no ended one): the stream's directory is
-        deleted whole while the lease is still this worker's (checked by its version, under the lock heartbeats
-        take), so a worker waiting for the stream then finds it free. For a command that stops on bad input:
+        """Give back, as if this worker had never come, each held stream that holds nothing but its lease and
+        generation pointer (never written to, never wiped: its lease names the generation "" and no ended one):
+        the stream's directory is deleted whole while the lease is still this worker's (checked by its version,
+        under the lock heartbeats take), so a worker waiting for the stream then finds it free. For a command
+        that stops on bad input:
         it leaves no trace of the streams it did not write. Returns those streams; the others stay held
         (`release_all` releases them). Storage errors leave a stream held, for `release_all`."""
         dropped = []
@@ -407,7 +408,7 @@ class Leases:
                 if held is None or held.record.generation or held.record.ended:
                     continue
                 try:
-                    if self.storage.listdir(fmt.stream_dir(stream)) != [LEASE]:
+                    if set(self.storage.listdir(fmt.stream_dir(stream))) - {LEASE, fmt.GENERATION}:
                         continue
                     current = self.storage.read_versioned(fmt.lease_path(stream))
                     if current is None or current.token != held.token:
