@@ -73,7 +73,7 @@ def check_stream(info: RunInfo, s: int, shards: list[Shard], problems: Problems,
                               f"to {list(start)} are in no shard)")
             gaps.append((previous_next[0], start[0]))
         elif problem := link_problem(previous, sc):  # the chain's rules, as every reader applies them
-            if final_seen is None:
+            if previous is None or not previous.final:  # a start that misses the previous shard's end
                 problem = f"{'gap' if start > previous_next else 'overlap'}: {problem}"
                 if start > previous_next:
                     gaps.append((previous_next[0], start[0]))
