@@ -5,16 +5,21 @@ ends with a summary line: OK, INCOMPLETE (every committed byte checks, but a str
 no final shard yet: a worker stopped, preempted or still running; rerunning its extraction resumes it) or
 FAILED. The CLI exits 0 on OK, else 1. Checks, per run:
 
-- run.json is there, parses, and has tensors {name: width}, a known dtype and a data section whose
-  num_streams/counts say which streams (and how many records each) the run covers;
-- no stream directory outside those streams; in a stream directory only data objects
-  (shard_NNNNNN-ATTEMPT.safetensors), sidecars (shard_NNNNNN.json), progress.json and lease.json; every
-  sidecar's data object is there. Data objects no sidecar names (a writer that lost the stream, or was
-  killed before its commit) are leftovers, listed in the report but not problems; so are the files of a
-  stream's ended generations (harvest.store.commit: a writer stalled across an --overwrite lands there);
-- each sidecar parses, names its own stream/shard and a data object of its shard, and the shards of a
-  stream are numbered 0, 1, 2, ...
-  with contiguous ranges: the first starts at [0, 0] and each `start` is the previous `next`;
+- run.json is there, of a format this harvest reads (records.check_format, as the reader), and has tensors
+  {name: width}, a known dtype and a data section whose num_streams/counts say which streams (and how many
+  records each) the run covers;
+- no stream directory outside those streams; in a stream's committed generation (listing.read_generation, as
+  every reader reads it; files are named by that generation's paths) only data objects
+  (shard_NNNNNN-ATTEMPT.safetensors), sidecars (shard_NNNNNN.json), progress.json, lease.json and
+  generation.json; every sidecar's data object is there. Data objects no sidecar names (a writer that lost the
+  stream, or was killed before its commit) are leftovers, listed in the report but not problems; so are the
+  files of the generations the stream's generation record lists as ended (harvest.store.commit: a writer
+  stalled across an --overwrite lands there). The data object of a shard whose sidecar cannot be read is
+  damage, not a leftover;
+- each sidecar parses (a newer format is refused: upgrade harvest), names its own stream/shard and a data
+  object of its shard, and the shards of a stream are numbered 0, 1, 2, ...
+  with contiguous ranges by the chain's rules (listing.link_problem): the first starts at [0, 0] and each
+  `start` is the previous `next`;
   `records` never decreases; exactly one `final` shard, the last, and with known counts its `records`
   equals the stream's count;
 - each shard file's size and checksum equal the sidecar's, and each tensor's bytes its digest, in one pass
