@@ -30,11 +30,12 @@ PIECE = 40 * (4 + 2 * 40)  # piece_bytes for ~40 rows of small_run's two tensors
 
 
 # a run still being written, read by 2 ranks x 2 DataLoader workers -----------------------------------------
-def shard_tokens(counts: dict[int, int], streams: int = 2) -> list[int]:
-    """The token ids growing_run_writer.py commits in the first counts[s] shards of each stream s."""
+def shard_tokens(snapshot: dict[int, list], streams: int = 2) -> list[int]:
+    """The token ids growing_run_writer.py commits in the first n shards of each stream s, snapshot[s] = [n, its
+    generation] (Run.snapshot)."""
     import growing_run_writer as w
 
-    return [t for s, n in counts.items() for k in range(n)
+    return [t for s, (n, _) in snapshot.items() for k in range(n)
             for t in range(1000 + (k * streams + s) * w.TOKENS, 1000 + (k * streams + s + 1) * w.TOKENS)]
 
 
@@ -52,10 +53,10 @@ def growing(tmp_path):
     writer.wait()
 
 
-def grown_past(url: str, counts: dict[int, int]) -> None:
-    """Wait until the writer has committed more than `counts`."""
+def grown_past(url: str, snapshot: dict[int, list]) -> None:
+    """Wait until the writer has committed more than `snapshot` (Run.snapshot) holds."""
     deadline = time.monotonic() + 30
-    while sum(open_run(url).snapshot().values()) <= sum(counts.values()):
+    while sum(n for n, _ in open_run(url).snapshot().values()) <= sum(n for n, _ in snapshot.values()):
         assert time.monotonic() < deadline, "the writer stopped committing"
         time.sleep(0.02)
 

@@ -9,6 +9,7 @@ too. `Run.refresh()` after a full overwrite by another model serves the new byte
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -97,7 +98,8 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     --overwrite starts stream 0 over (of it alone, or of all with the first command's settings: run.json stays
     byte for byte the same). The follower stops with one line: it served each shard of the ended generations
     once, in the rounds it recorded, and nothing after; a rerun with the same round book is refused too, and so
-    is a reader's state saved before the overwrite (it counts shards of the ended generations)."""
+    is a reader's state saved before the overwrite (it counts shards of the ended generations), and a rank
+    given a snapshot taken before it."""
     out, book = tmp_path / "run", tmp_path / "rounds"
     env = {**setup["env"], **({"HARVEST_TEST_STOP_BEFORE_COMMIT": stop} if stop else {})}
     writer = subprocess.Popen(extract(setup, out, *first), env=env, stdout=subprocess.DEVNULL,
@@ -123,13 +125,15 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     plain = before.token_batches(4, seed=1)  # a reader of what is committed, stopped after one batch
     next(iter(plain))
     state = plain.state_dict()
+    snapshot = json.loads(json.dumps(before.snapshot()))  # as ranks share it
 
     done = run_harvest(*extract(setup, out, *again)[3:], env=setup["env"], timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     follower.join(timeout=60)
     assert not follower.is_alive() and isinstance(follower.error, StartedOverError), follower.error
     message = str(follower.error)
-    assert "stream 0 started over" in message and "start the reader over" in message and "\n" not in message
+    assert re.search("streams? 0(, 1)? started over", message) and "start the reader over" in message
+    assert "\n" not in message
     assert stream_generation(before.storage, 0) != generations[0]
     assert (out / "run.json").read_bytes() == run_json  # nothing but the generations tells the overwrite
     rounds = [json.loads(p.read_text()) for p in sorted((book / "epoch_00000").glob("round_*.json"))]
@@ -142,12 +146,17 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
     assert Counter(follower.served) == Counter(everything)  # so each row once, and no row of the new generation
 
     rerun = open_run(str(out)).token_batches(1, follow=0.05, rounds=Storage(str(book)), shuffle=False)
-    with pytest.raises(StartedOverError, match="stream 0 started over"):
+    with pytest.raises(StartedOverError, match="streams? 0(, 1)? started over"):
         next(iter(rerun))
     resumed = open_run(str(out)).token_batches(4, seed=1)  # its state counts shards of the ended generations
     resumed.load_state_dict(state)
     with pytest.raises(StartedOverError, match="streams? 0(, 1)? started over"):
         next(iter(resumed))
+    later = open_run(str(out))  # a rank that lists the run after the overwrite, given the snapshot taken before
+    with pytest.raises(StartedOverError, match="streams? 0(, 1)? started over"):
+        next(iter(later.token_batches(4, seed=1, rank=1, world=2, snapshot=snapshot)))
+    with pytest.raises(StartedOverError, match="streams? 0(, 1)? started over"):
+        later.torch_dataset(4, rank=1, world=2, snapshot=snapshot)
 
 
 def other_model(checkpoint: Path, to: Path) -> Path:

@@ -43,7 +43,7 @@ from harvest.read.rounds import Follower
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
 from harvest.store.records import RunInfo, Sidecar
-from harvest.store.snapshot import Snapshot
+from harvest.store.snapshot import Snapshot, pinned
 from harvest.store.stats import RunningStats
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class TokenBatches:
                  piece_bytes: int = 32 * 2**20, prefetch: int = 8, io_threads: int = 8, drop_last: bool = False,
                  exclude: Sequence[int] | None = None, dtype: str | None = None, normalize: str | None = None,
                  verify: str = "auto", on_corrupt: str = "stop", as_torch: bool = False,
-                 streams: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
+                 streams: Sequence[int] | None = None, snapshot: Mapping[int, Any] | None = None,
                  stats: Mapping[str, RunningStats] | None = None, skip_first: int = 0,
                  max_norm: float | None = None, median_norm: Mapping[str, float] | float | None = None,
                  follow: float | None = None, rounds: Storage | None = None,
@@ -172,7 +172,7 @@ class TokenBatches:
         self._first_epoch = int(epoch)
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
         self._generations: dict[int, str] | None = None  # the generation of each stream whose shards are counted
-        self._pinned = None if snapshot is None else {int(st): int(n) for st, n in snapshot.items()}
+        self._pinned, self._pinned_generations = (None, {}) if snapshot is None else pinned(snapshot)
         self._loaded_order: Order | None = None
         self._poll, self._book, self._on_wait = follow, rounds, on_wait
         self._round, self._round_start = 0, None  # following: the round read now, and the shards before it
@@ -269,13 +269,14 @@ class TokenBatches:
         counted in), else the reader's listing (re-listed at a new epoch of a run still being written when this
         is the only consumer)."""
         counts = self._epoch_counts if self._epoch_counts is not None else self._pinned
+        read = (self._generations if self._epoch_counts is not None else self._pinned_generations) or {}
         sole = order.world * order.workers == 1
         if counts is None and sole and self._cursor.epoch > self._first_epoch and not self.view.complete(order.streams):
             self.view = Snapshot.take(self.storage)
-        if counts is not None and any(len(self.view.of_stream(s)) < n for s, n in counts.items()):
-            read, self.view = self.view.generations(), Snapshot.take(self.storage)
-            self.view.check_generations({s: g for s, g in read.items() if s in counts})
-        self.view.check_generations(self._generations or {})
+        if counts is not None and (any(len(self.view.of_stream(s)) < n for s, n in counts.items())
+                                   or not self.view.holds(read)):
+            self.view = Snapshot.take(self.storage)  # listed before the state or snapshot was taken
+        self.view.check_generations(read)
         wanted = None if order.streams is None else set(order.streams)
         if counts is None:
             counts = {s: n for s, n in self.view.counts().items() if wanted is None or s in wanted}
@@ -439,7 +440,7 @@ MEDIAN_SAMPLE = 2**16  # tokens the median norm is taken over (or the whole run,
 
 
 def median_norms(storage: Storage, view: Snapshot, names: list[str], *, streams: Sequence[int] | None = None,
-                 exclude: Sequence[int] | None = None, snapshot: Mapping[int, int] | None = None,
+                 exclude: Sequence[int] | None = None, snapshot: Mapping[int, Any] | None = None,
                  sample: int = MEDIAN_SAMPLE) -> dict[str, float]:
     """{tensor: the median L2 norm of its tokens}, over the first `sample` tokens of the streams read in a
     reader's order with seed 0 (every token when the run holds fewer): the same number on every rank and in

@@ -103,11 +103,17 @@ def _my_blocks(sharding: NamedSharding, batch_size: int, block_rows: int, mesh: 
     return sorted(mine), sets.index(mine), len(sets)
 
 
-def _agreed_counts(view: Snapshot) -> dict[int, int]:
-    """Process 0's {stream: committed shards}, on every process (a collective: every process calls it)."""
+def _agreed_counts(view: Snapshot) -> dict[int, list]:
+    """Process 0's {stream: [committed shards, generation]} (Snapshot.shared), on every process (a collective:
+    every process calls it). A generation (16 hex digits, or "") goes as four int32 of 4 digits (-1: "")."""
     from jax.experimental.multihost_utils import broadcast_one_to_all
 
-    streams = covered_streams(view.info)
-    counts = np.asarray([len(view.of_stream(s)) for s in streams], np.int64)
-    agreed = np.asarray(broadcast_one_to_all(counts))
-    return {s: int(n) for s, n in zip(streams, agreed) if n}
+    streams, shared = covered_streams(view.info), view.shared()
+    rows = [[shared.get(s, [0])[0], *_digits(shared.get(s, [0, ""])[1])] for s in streams]
+    agreed = np.asarray(broadcast_one_to_all(np.asarray(rows, np.int32).reshape(len(streams), 5)))
+    return {s: [int(row[0]), "".join(f"{int(d):04x}" for d in row[1:] if d >= 0)]
+            for s, row in zip(streams, agreed) if row[0]}
+
+
+def _digits(generation: str) -> list[int]:
+    return [int(generation[i:i + 4], 16) for i in range(0, 16, 4)] if generation else [-1] * 4

@@ -103,10 +103,11 @@ class Run:
         """Sidecars of one stream's committed shards, in order."""
         return self.view.of_stream(stream)
 
-    def snapshot(self) -> dict[int, int]:
-        """{stream: committed shards} now: give every rank the same one (token_batches(snapshot=...)) when
-        training on a run still being written, so that all ranks split the same shards."""
-        return self.view.counts()
+    def snapshot(self) -> dict[int, list]:
+        """{stream: [committed shards, their generation]} now: give every rank the same one (JSON is fine;
+        token_batches(snapshot=...)) when training on a run still being written, so that all ranks split the same
+        shards (a rank whose stream was started over since is refused in one line)."""
+        return self.view.shared()
 
     def __repr__(self) -> str:
         return (f"Run({self.url!r}: {len(self.tensors)} tensors, {len(self.streams)} streams, "

@@ -17,7 +17,7 @@ from harvest.errors import UserError
 from harvest.read.batches import TokenBatches
 from harvest.read.errors import StateError
 from harvest.storage import Storage
-from harvest.store.snapshot import Snapshot
+from harvest.store.snapshot import Snapshot, pinned
 
 
 class TokenDataset(torch.utils.data.IterableDataset):
@@ -26,12 +26,15 @@ class TokenDataset(torch.utils.data.IterableDataset):
     def __init__(self, url: str, view: Snapshot, batch_size: int, names: list[str], settings: dict[str, Any]):
         super().__init__()
         settings = dict(settings)
-        counts = settings.pop("snapshot", None)
+        given = settings.pop("snapshot", None)
+        counts, generations = (None, {}) if given is None else pinned(given)
         if counts is None and int(settings.get("world", 1)) > 1 and not view.complete(settings.get("streams")):
             raise UserError(f"{url}: the run is still being written, and each rank's dataset would list it at "
                             "another moment: give every rank's dataset the same snapshot= (run.snapshot(), taken once)")
-        if counts is not None and any(len(view.of_stream(int(s))) < int(n) for s, n in counts.items()):
+        if counts is not None and (any(len(view.of_stream(s)) < n for s, n in counts.items())
+                                   or not view.holds(generations)):
             view = Snapshot.take(Storage(url))  # the snapshot given was taken after this Run was opened
+        view.check_generations(generations)
         try:
             view = view if counts is None else view.limited(counts)
         except ValueError as e:
@@ -42,10 +45,10 @@ class TokenDataset(torch.utils.data.IterableDataset):
         self.view = view.slim(names)
 
     @property
-    def snapshot(self) -> dict[int, int]:
-        """{stream: shards} this dataset reads: give it to the other ranks' datasets (snapshot=...)."""
-        return self.view.counts()
+    def snapshot(self) -> dict[int, list]:
+        """{stream: [shards, generation]} this dataset reads: give it to the other ranks' datasets (snapshot=...)."""
+        return self.view.shared()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return iter(TokenBatches(Storage(self.url), self.view, self.batch_size, self.names, as_torch=True,
-                                 snapshot=self.view.counts(), **self.settings))
+                                 snapshot=self.view.shared(), **self.settings))

@@ -33,10 +33,10 @@ class StartedOverError(UserError):
 def started_over(url: str, streams: Iterable[int]) -> StartedOverError:
     """The one line for streams that a reader read in a generation that has ended since."""
     streams = sorted(streams)
+    it, some = ("them new generations", "s") if len(streams) > 1 else ("it a new generation", "")
     return StartedOverError(
-        f"{url}: stream{'s' if len(streams) > 1 else ''} {', '.join(map(str, streams))} started over (an --overwrite "
-        "gave it a new generation) while it was being read: what was read of it is no longer the run; start the "
-        "reader over too (a new --out for an SAE)")
+        f"{url}: stream{some} {', '.join(map(str, streams))} started over (an --overwrite gave {it}) while being "
+        "read: what was read is no longer the run; start the reader over too (a new --out for an SAE)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +84,15 @@ class Snapshot:
         grown = dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
         grown.check_generations(self.generations())
         return grown
+
+    def shared(self) -> dict[int, list]:
+        """{stream: [committed shards, their generation]}: what ranks share to split the same shards (`pinned`)."""
+        return {s: [len(scs), scs[0].generation] for s, scs in self._by_stream.items()}
+
+    def holds(self, generations: Mapping[int, str]) -> bool:
+        """Whether this snapshot's streams are in `generations` (a later listing may be, where it is not)."""
+        now = self.generations()
+        return all(now.get(s) == g for s, g in generations.items())
 
     def generations(self) -> dict[int, str]:
         """{stream: the generation its committed shards are of}, for the streams with any."""
@@ -197,6 +206,18 @@ class Snapshot:
         while len(parts) > 1:  # pairwise: rounding grows with log(shards), not shards
             parts = [parts[i].merge(parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
         return parts[0]
+
+
+def pinned(given: Mapping) -> tuple[dict[int, int], dict[int, str]]:
+    """(counts, generations) of a snapshot ranks share: {stream: [shards, generation]} as `Snapshot.shared`
+    gives it (JSON keys as strings too), or {stream: shards} with no generation (as harvest gave it before)."""
+    counts, generations = {}, {}
+    for s, value in given.items():
+        if isinstance(value, (list, tuple)):
+            counts[int(s)], generations[int(s)] = int(value[0]), str(value[1])
+        else:
+            counts[int(s)] = int(value)
+    return counts, generations
 
 
 def shard_path(sidecar: Sidecar) -> str:
