@@ -1,9 +1,9 @@
 """A shard's bytes as token batches fetch them: rows of a tensor as one ranged read (or a view of the mapped
 local file), the header checked against the sidecar and run.json, and the bytes checked against checksums:
 with the sidecar's chunk digests, the chunks holding the rows served (`checked_rows`: the range fetched is
-widened to whole chunks, at most two more per tensor and piece); without them, whole tensors or the whole
-file (`verify_bytes`, `verify_fetched`). `small_tensor` reads a shard's offsets, sample ids or variants whole,
-checked against their digest.
+widened to whole chunks, at most two chunks more per tensor and piece); without them, whole tensors or the
+whole file (`verify_bytes`, `verify_fetched`). `checked_offsets` reads a shard's offsets, sample ids and
+variants whole, each checked against its digest and the sidecar's counts.
 
 Where tensors lie, and whole-file or range hashing, are harvest.read.shardfile's.
 """
@@ -16,6 +16,7 @@ import numpy as np
 
 from harvest.storage import Storage
 from harvest.store import encoding, quant
+from harvest.store.listing import SHARD_ARRAYS
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, TensorSpan, file_digest, range_digest, read_layout
 
@@ -52,6 +53,23 @@ def checked_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int,
     count = (hi - lo) * (span.row_bytes // span.dtype.itemsize)
     rows = np.frombuffer(data, span.dtype, count=count, offset=start - at).reshape((hi - lo, *span.shape[1:]))
     return rows, until - at
+
+
+def checked_offsets(storage: Storage, rel: str, layout: ShardLayout, sidecar: Sidecar, check: bool) -> np.ndarray:
+    """The shard's offsets, after its offsets, sample ids and variants are read whole and checked: their shapes
+    against the sidecar's counts, their bytes against its digests (`check`), and the offsets cutting its tokens
+    into samples. ValueError naming what does not match."""
+    small = {}
+    for name in SHARD_ARRAYS[1:]:
+        span, want = layout.tensors.get(name), (sidecar.samples + (name == "offsets"),)
+        if span is None or span.shape != want:
+            raise ValueError(f"tensor {name!r} is {'missing' if span is None else list(span.shape)}, "
+                             f"the sidecar says {list(want)}")
+        small[name] = small_tensor(storage, rel, span, sidecar, name, check)
+    offsets = small["offsets"]
+    if offsets[0] != 0 or offsets[-1] != sidecar.tokens or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"its offsets do not cut its {sidecar.tokens} tokens into samples")
+    return offsets
 
 
 def small_tensor(storage: Storage, rel: str, span: TensorSpan, sidecar: Sidecar, name: str, check: bool) -> np.ndarray:

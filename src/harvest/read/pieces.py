@@ -34,12 +34,12 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.read.errors import CorruptShardError
 from harvest.read.gather import Part
-from harvest.read.layout import (checked_layout, checked_rows, prefault, read_rows, rows_of, small_tensor, verify_bytes,
-                                 verify_fetched)
+from harvest.read.layout import (checked_layout, checked_offsets, checked_rows, prefault, read_rows, rows_of,
+                                 verify_bytes, verify_fetched)
 from harvest.read.shuffle import Piece
 from harvest.storage import Storage
 from harvest.store import quant
-from harvest.store.listing import SHARD_ARRAYS, stream_generation
+from harvest.store.listing import stream_generation
 from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, map_file
 from harvest.store.snapshot import Snapshot, shard_path, started_over
@@ -163,17 +163,7 @@ class PieceReader:
         when this consumer verifies the shard: now, or, for a shard read whole with per-tensor checksums, by
         the bytes its one piece fetches (before they are served)."""
         layout = checked_layout(self.storage, rel, sc, self.widths, self.stored, self.dtype_name)
-        small = {}
-        for name in SHARD_ARRAYS[1:]:
-            span = layout.tensors.get(name)
-            want = (sc.samples + (name == "offsets"),)
-            if span is None or span.shape != want:
-                raise ValueError(f"tensor {name!r} is {'missing' if span is None else list(span.shape)}, "
-                                 f"the sidecar says {list(want)}")
-            small[name] = small_tensor(self.storage, rel, span, sc, name, self.verify != "header")
-        offsets = small["offsets"]
-        if offsets[0] != 0 or offsets[-1] != sc.tokens or np.any(np.diff(offsets) < 0):
-            raise ValueError(f"its offsets do not cut its {sc.tokens} tokens into samples")
+        offsets = checked_offsets(self.storage, rel, layout, sc, self.verify != "header")
         if not self._chunked(sc) and (sc.stream, sc.shard) in self.to_verify and self._hashes(sc):
             if whole and sc.tensor_digests is not None:
                 self._verify_fetched.add(rel)
