@@ -2,7 +2,8 @@
 shard once as it is committed, in rounds, resumes mid-round from its state, and waits for shards (and for
 run.json); the trainer, started before the extraction, ends its first epoch once every stream is complete
 having used every token of the final run exactly once, with both processes SIGKILLed and rerun on the way.
-What cannot be followed is refused in one line."""
+What cannot be followed is refused in one line, and a stream started over while followed stops the trainer
+in one line."""
 
 from __future__ import annotations
 
@@ -200,3 +201,22 @@ def test_sigterm_while_the_trainer_waits_for_shards_saves_the_step_and_exits_75(
     rerun = log.read_text()[before:]
     assert re.search(r"^step (\d+)/", rerun, re.M)[1] == str(reached + 1), rerun[:3000]
     assert_each_token_used_once(run, sae)
+
+
+@pytest.mark.slow
+def test_a_stream_started_over_while_the_trainer_follows_it_stops_the_trainer_in_one_line(setup, tmp_path):
+    """`--overwrite --streams 0` while the trainer follows the run: rounds counted shards without the stream's
+    generation, and the epoch served stream 0's rows twice. Now the trainer stops (exit 2) with one line saying
+    the stream started over, its rounds naming only the ended generation of stream 0."""
+    run, sae, log = tmp_path / "run", tmp_path / "sae", tmp_path / "sae.log"
+    assert run_harvest(*extract_args(setup, run), "--streams", "0", env=setup["env"]).returncode == 0
+    trainer = start(sae_cmd(run, sae, 12_000), setup["env"], log)
+    wait_for(lambda: saved_while_waiting(log, sae), proc=trainer)  # it read stream 0 and waits for streams 1, 2
+    rounds = sae / "follow" / "run_0" / "epoch_00000"
+    (generation,) = {json.loads(p.read_text())["generations"]["0"] for p in rounds.glob("round_*.json")}
+    again = run_harvest(*extract_args(setup, run), "--overwrite", "--streams", "0", env=setup["env"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert trainer.wait(timeout=60) == 2, log.read_text()[-3000:]
+    errors = [line for line in log.read_text().splitlines() if line.startswith("harvest: error:")]
+    assert len(errors) == 1 and "stream 0 started over" in errors[0] and "start the reader over" in errors[0]
+    assert {json.loads(p.read_text())["generations"]["0"] for p in rounds.glob("round_*.json")} == {generation}
