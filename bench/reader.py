@@ -7,11 +7,10 @@ storage, in alternating rounds (best round shown):
   raw        every shard file read whole, one after the other, one thread (local: open/read, page cache
              warm; GCS/S3: one GET per file): the ceiling a plain loop reaches. Tokens/s counts the tokens
              those bytes hold.
-  all/auto   token_batches over every tensor, shuffled, verify="auto": each shard's tensors checked once
-             against the sidecar's per-tensor digests (streamed), then pieces read as ranges
+  all/auto   token_batches over every tensor, shuffled, verify="auto": each piece read as the whole 1 MiB
+             chunks holding its rows, each chunk checked against the sidecar's chunk digests
   all/header the same with verify="header" (header, size and shape checks only)
-  one/auto   one tensor of the shards' `--tensors`, verify="auto": that tensor's bytes are read twice,
-             once to check them (shards are cut into pieces) and once as the pieces served
+  one/auto   one tensor of the shards' `--tensors`, verify="auto": its pieces' chunks, checked as read
   one/header the same with verify="header": only its bytes are read, once
 
 GB/s counts the bytes of the tensors served (tokens included) per second; ratio = tokens/s over raw's.
