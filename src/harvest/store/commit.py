@@ -168,13 +168,14 @@ def wipe(storage: Storage, stream: int, leases: Leases, *, whole: bool = False, 
     pointer, then delete the objects of every ended one and the stream's progress. `whole`: the stream leaves the
     run, so its whole directory goes, once this worker stopped heartbeating its lease (no write of it lands in
     the directory being deleted)."""
-    seen = pointer.read(storage, stream)  # before the lease's swap: a stalled wiper's late swap then lands nothing
     new = generation or uuid.uuid4().hex[:16]
-    ended = leases.start_generation(stream, new)
     if whole:
+        leases.start_generation(stream, new)
         leases.forget(stream)
         storage.delete_tree(fmt.stream_dir(stream))
         return
+    seen = pointer.first(storage, stream, leases.generation(stream))  # before the lease's swap (see generation.py)
+    ended = leases.start_generation(stream, new)
     pointer.advance(storage, stream, GenerationRecord(new, ended), seen, leases.check)
     directory = fmt.stream_dir(stream)
     storage.delete_many(f"{directory}/{name}" for name in storage.listdir(directory) if name == fmt.PROGRESS or (

@@ -9,9 +9,10 @@ from a version read before the lease write it reflects (`read` before a take or 
 - a wipe reads the pointer, swaps the lease to its new generation (fenced: it lands only while the wiper holds
   the stream), swaps the pointer from the version it read (`advance`), and only then deletes the ended
   generations;
-- a taker of a lease reconciles (`follow`): a lease created fresh (none there: a new stream, or one deleted by a
-  person) was made from the pointer, which it rewrites as it is (creates, where absent), so that a wiper stalled
-  before its swap of the pointer lands nothing;
+- a stream without a pointer (never wiped) gets one, naming the generation it has, before a wipe's read
+  (`first`): so a lease created fresh from no pointer cannot be a wiper's to lose;
+- a taker of a lease reconciles (`follow`): a lease created fresh (none there: deleted by a person) was made from
+  the pointer, which it rewrites as it is, so that a wiper stalled before its swap of the pointer lands nothing;
   a lease ahead of the pointer (a wiper stopped between its two swaps, or a run written before the pointer
   existed) rolls it forward; a pointer ahead of the lease (the lease was recreated from an older read) is taken
   into the lease, by the holder's fenced swap.
@@ -54,6 +55,18 @@ def _swap(storage: Storage, stream: int, record: GenerationRecord, seen: Version
     return storage.replace_if(rel, record.to_bytes(), seen.token)
 
 
+def first(storage: Storage, stream: int, generation: str) -> Versioned:
+    """The pointer before a wipe: created where absent (a stream never wiped), naming `generation`, the lease's."""
+    current = read(storage, stream)
+    if current is None:
+        _swap(storage, stream, GenerationRecord(generation), None)
+        current = read(storage, stream)
+    if current is None:
+        raise RetryLater(f"stream {stream}: its generation.json vanished while this worker wiped the stream; rerun "
+                         "the same command")
+    return current
+
+
 def advance(storage: Storage, stream: int, record: GenerationRecord, seen: Versioned | None,
             guard: Callable[[int], None]) -> None:
     """A wipe's second swap: the pointer to `record` (the lease's new state) from the version `seen` read before the
@@ -78,8 +91,8 @@ def follow(storage: Storage, stream: int, lease: LeaseRecord, seen: Versioned | 
     if _ahead(named, mine):
         adopt(named)
         return
-    if named is None and mine == GenerationRecord() and not fresh:
-        return  # nothing to point at: readers read generation "" without it
+    if named is None and mine == GenerationRecord():
+        return  # nothing to point at: readers read generation "" without it (a wipe creates it first)
     if named is not None and named.generation == mine.generation and not fresh:
         return
     if _swap(storage, stream, mine, seen):

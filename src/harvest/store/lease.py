@@ -45,6 +45,7 @@ from harvest.errors import FencedOut, RetryLater, UserError
 from harvest.runtime.sigterm import Interrupted
 from harvest.store import format as fmt, generation
 from harvest.storage import Storage, Versioned
+from harvest.store.holder import holder_alive, process_key
 from harvest.store.records import GenerationRecord, LeaseRecord, now_iso
 
 log = logging.getLogger(__name__)
@@ -55,55 +56,6 @@ MAX_POLL_S = 2.0  # a watched lease is read at least this often (more often for 
 
 class LeaseHeld(UserError):
     """A live worker holds the stream: this one stops before writing anything."""
-
-
-def _read_first_line(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.readline().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace(pid: int | str = "self") -> str:
-    try:
-        return str(os.stat(f"/proc/{pid}/ns/pid").st_ino)
-    except OSError:
-        return ""
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name: [state, ppid, ...] ([] where there is no such process)."""
-    stat = _read_first_line(f"/proc/{pid}/stat")
-    return stat.rsplit(")", 1)[-1].split() if ")" in stat else []
-
-
-def _start_ticks(pid: int) -> str:
-    """When process `pid` of this namespace started (clock ticks since boot): tells a reused pid apart."""
-    fields = _stat_fields(pid)
-    return fields[19] if len(fields) > 19 else ""
-
-
-def process_key(pid: int | None = None) -> str:
-    """`boot:pid-namespace:pid:start` of a process of this machine ('' parts where unknown)."""
-    pid = os.getpid() if pid is None else pid
-    boot = _read_first_line("/proc/sys/kernel/random/boot_id")
-    return f"{boot}:{_pid_namespace()}:{pid}:{_start_ticks(pid)}"
-
-
-def holder_alive(record: LeaseRecord) -> bool | None:
-    """Whether the process that wrote `record` still runs, where this machine can prove it (the record's
-    process key, of its boot and pid namespace; never its hostname): False when that pid is gone, runs
-    another process, or is a zombie (killed, not reaped: it never writes again); True when that very process
-    still runs; None otherwise (another boot, another pid namespace, or no key)."""
-    if record.process.count(":") != 3:
-        return None
-    boot, ns, pid, start = record.process.split(":")
-    my_boot, my_ns, _, _ = process_key().split(":")
-    if not boot or boot != my_boot or not ns or ns != my_ns or not pid.isdigit() or not start:
-        return None
-    fields = _stat_fields(int(pid))
-    return len(fields) > 19 and fields[19] == start and fields[0] not in ("Z", "X")
 
 
 class _Held:
