@@ -20,13 +20,23 @@ class Clock:
         return time.monotonic()
 
     def sleep(self, seconds: float) -> None:
-        """Ended at once by SIGTERM inside a SigtermFlag (raising harvest.runtime.sigterm.Interrupted): a lease's
-        wait-out or a storage retry's back-off never outlasts a preemption notice."""
         if seconds > 0:
-            sigterm.sleep(seconds)
+            time.sleep(seconds)
 
     def wall(self) -> float:
         return time.time()
 
 
+class StoppableClock(Clock):
+    """The real clocks, whose sleeps SIGTERM ends at once inside a SigtermFlag (raising
+    harvest.runtime.sigterm.Interrupted): for a command whose every wait must end with a preemption notice
+    (extraction: a lease's wait-out, storage's back-offs). A trainer's storage keeps SYSTEM: its save on
+    SIGTERM still retries a transient error."""
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            sigterm.sleep(seconds)
+
+
 SYSTEM = Clock()
+STOPPABLE = StoppableClock()

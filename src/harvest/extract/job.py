@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from harvest.clock import STOPPABLE
 from harvest.config import ExtractConfig
 from harvest.data import prompts, streams
 from harvest.data.batching import Row, pack_stream, stream_pieces
@@ -85,7 +86,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         mesh = make_mesh(cfg.mesh or f"data={jax.device_count()}")
     clock.span("backend", backend_start)
 
-    out = Storage(cfg.out)
+    out = Storage(cfg.out, clock=STOPPABLE)
     data = streams.open_data(cfg.data)
     chosen = _chosen_streams(cfg, data.num_streams)
     # The implementation run, in run.json's config and agreed by every process (all compile one program); not an
@@ -119,7 +120,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
 
     failure: list[BaseException] = []
     worker = cfg.worker_id or f"{socket.gethostname()}:{jax.process_index()}"
-    leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append)
+    leases = Leases(out, worker, ttl_s=cfg.lease_ttl, on_lost=failure.append, clock=STOPPABLE)
     # A full --overwrite with fewer streams drops the run's others (process 0 does, under their leases); a later
     # extract of the whole run finishes such a drop where it was interrupted.
     dropped = _streams_beyond(out, data.num_streams) if whole and jax.process_index() == 0 else []
