@@ -116,10 +116,7 @@ class LeaseRecord(Record):
 
     @classmethod
     def from_json(cls, obj: Any) -> LeaseRecord:
-        lease = super().from_json(obj)
-        if not all(isinstance(g, str) and fmt.is_generation(g) for g in [lease.generation, *lease.ended]):
-            raise ValueError(f"field 'generation' or 'ended': not a generation ({lease.generation!r}, {lease.ended!r})")
-        return lease
+        return _generations_checked(super().from_json(obj))
 
     def describe(self) -> str:
         return f"worker {self.worker!r} on {self.host} (pid {self.pid})"
@@ -136,11 +133,14 @@ class GenerationRecord(Record):
 
     @classmethod
     def from_json(cls, obj: Any) -> GenerationRecord:
-        record = super().from_json(obj)
-        if not all(isinstance(g, str) and fmt.is_generation(g) for g in [record.generation, *record.ended]):
-            raise ValueError(f"field 'generation' or 'ended': not a generation ({record.generation!r}, "
-                             f"{record.ended!r})")
-        return record
+        return _generations_checked(super().from_json(obj))
+
+
+def _generations_checked(record: R) -> R:
+    """A lease or generation record whose `generation` and `ended` name generations; else ValueError."""
+    if not all(isinstance(g, str) and fmt.is_generation(g) for g in [record.generation, *record.ended]):
+        raise ValueError(f"field 'generation' or 'ended': not a generation ({record.generation!r}, {record.ended!r})")
+    return record
 
 
 
