@@ -15,6 +15,7 @@ import dataclasses
 import io
 import json
 import os
+import random
 import shlex
 import shutil
 import socket
@@ -767,13 +768,26 @@ def test_status_when_skypilot_cannot_be_asked_shows_storage_and_its_error_in_one
 
 
 def _skypilot_env(home: Path) -> dict[str, str]:
-    """SkyPilot with its own ~/.sky and a local API server on a port free now: its default, 46580, lies in Linux's
-    ephemeral range, where the suite's own loopback connections can hold it (the server then exits: "Port 46580
-    is not available", seen in a fresh-clone run)."""
+    """SkyPilot with its own ~/.sky and a local API server on ports free now. Its default, 46580, lies in Linux's
+    ephemeral range (32768-60999), where the suite's own loopback connections can hold it ("Port 46580 is not
+    available", seen in a fresh-clone run), and so does the request-queue port it derives from the server's
+    (sky.server.requests.queues.mp_queue: 50011 shifted by the server port's offset from 46580, within
+    [50000, 60000): "port 53622 is already in use", seen in another). So the server's port is taken below that
+    range, and one whose queue port is free too."""
+    for port in random.Random().sample(range(20000, 32000), 400):
+        queue = 50000 + (50011 - 50000 + port - 46580) % 10000
+        if _port_free(port) and _port_free(queue):
+            return {**os.environ, "HOME": str(home), "SKYPILOT_API_SERVER_LOCAL_PORT": str(port)}
+    raise AssertionError("no free pair of ports for a SkyPilot API server and its request queue")
+
+
+def _port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {**os.environ, "HOME": str(home), "SKYPILOT_API_SERVER_LOCAL_PORT": str(port)}
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _skypilot_server_up(python: str, env: dict[str, str]) -> bool:
