@@ -319,6 +319,21 @@ def test_a_stalled_writer_that_commits_first_after_a_takeover_leaves_the_new_hol
     assert_verified(out, env)
 
 
+def _sigterm_timed(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
+    """SIGTERM to `proc`'s group: its exit code and the seconds it took to exit."""
+    signal_group(proc, signal.SIGTERM)
+    began = time.monotonic()
+    code = proc.wait(timeout=timeout)
+    return code, time.monotonic() - began
+
+
+def _killed(proc: subprocess.Popen) -> None:
+    """`proc`'s group SIGKILLed where it still runs (a test that failed before it exited)."""
+    if proc.poll() is None:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
 def test_sigterm_while_waiting_out_another_holders_ttl_exits_75_at_once(setup):
     """A's lease is left by a SIGKILLed worker with --lease-ttl 60; B waits it out, and SIGTERM (a preemption
     notice) ends that wait within seconds: exit 75, no lease held by B."""
@@ -333,14 +348,9 @@ def test_sigterm_while_waiting_out_another_holders_ttl_exits_75_at_once(setup):
     try:
         wait_until(lambda: "taken over if unchanged" in (setup.root / "sigterm-wait-b.log").read_text(), b,
                    "sigterm-wait-b.log", setup)
-        signal_group(b, signal.SIGTERM)
-        began = time.monotonic()
-        code = b.wait(timeout=60)
-        took = time.monotonic() - began
+        code, took = _sigterm_timed(b, timeout=60)
     finally:
-        if b.poll() is None:
-            signal_group(b, signal.SIGKILL)
-            b.wait()
+        _killed(b)
     assert code == 75 and took < 15, (code, took, (setup.root / "sigterm-wait-b.log").read_text())
     assert "stopped on SIGTERM" in error_line(setup, "sigterm-wait-b.log")
     assert all(pid != b.pid or released for pid, released in lease_holders(out).values()), lease_holders(out)
@@ -357,14 +367,9 @@ def test_sigterm_while_a_commit_is_held_exits_75_within_the_deadline(setup):
         wait_until(lambda: Storage(out).exists("stream_00000/shard_000000.json") and data_objects(out, 1), a,
                    "sigterm-commit.log", setup)
         time.sleep(0.5)  # past the last lease check: the commit is held
-        signal_group(a, signal.SIGTERM)
-        began = time.monotonic()
-        code = a.wait(timeout=150)
-        took = time.monotonic() - began
+        code, took = _sigterm_timed(a, timeout=150)
     finally:
-        if a.poll() is None:
-            signal_group(a, signal.SIGKILL)
-            a.wait()
+        _killed(a)
     assert code == 75 and took < 25, (code, took, (setup.root / "sigterm-commit.log").read_text())
     assert all(released for _, released in lease_holders(out).values()), lease_holders(out)
     rerun = run_harvest(*setup.args(out, "--lease-ttl", "60"), env=env, timeout=300)
