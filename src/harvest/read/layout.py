@@ -21,13 +21,18 @@ from harvest.store.records import Sidecar
 from harvest.read.shardfile import ShardLayout, TensorSpan, file_digest, range_digest, read_layout
 
 
-def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
-    """Rows [lo, hi) of one tensor, fetched as one ranged read. ValueError if the file is cut short."""
-    start, end = span.rows(lo, hi)
-    data = storage.read_range(rel, start, end) if end > start else b""
+def fetch(storage: Storage, rel: str, start: int, end: int, buf=None):
+    """Bytes [start, end) of a shard file, as one ranged read (or a view of `buf`, the mapped local file, when
+    given). ValueError if the file is cut short."""
+    data = b"" if end <= start else storage.read_range(rel, start, end) if buf is None else memoryview(buf)[start:end]
     if len(data) != end - start:
         raise ValueError(f"the file ends {end - start - len(data)} bytes short of what its header describes")
-    return np.frombuffer(data, span.dtype).reshape((hi - lo, *span.shape[1:]))
+    return data
+
+
+def read_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int) -> np.ndarray:
+    """Rows [lo, hi) of one tensor, fetched as one ranged read. ValueError if the file is cut short."""
+    return np.frombuffer(fetch(storage, rel, *span.rows(lo, hi)), span.dtype).reshape((hi - lo, *span.shape[1:]))
 
 
 def checked_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int, sidecar: Sidecar, name: str,
@@ -41,10 +46,7 @@ def checked_rows(storage: Storage, rel: str, span: TensorSpan, lo: int, hi: int,
     at, until = span.start + first * size, min(span.start + last * size, span.end)
     if want is None or len(want) != -(-(span.end - span.start) // size):
         raise ValueError(f"its sidecar has no {sidecar.algorithm} for each {size} bytes of tensor {name!r}")
-    data = storage.read_range(rel, at, until) if buf is None and until > at else (
-        memoryview(buf)[at:until] if until > at else b"")
-    if len(data) != until - at:
-        raise ValueError(f"the file ends {until - at - len(data)} bytes short of what its header describes")
+    data = fetch(storage, rel, at, until, buf)
     got = encoding.chunk_digests(data, sidecar.algorithm, size)
     for k, (mine, theirs) in enumerate(zip(got, want[first:last])):
         if mine != theirs:
@@ -75,9 +77,7 @@ def checked_offsets(storage: Storage, rel: str, layout: ShardLayout, sidecar: Si
 def small_tensor(storage: Storage, rel: str, span: TensorSpan, sidecar: Sidecar, name: str, check: bool) -> np.ndarray:
     """A small tensor (offsets, sample ids, variants) read whole, checked against its digest in the sidecar
     when `check` and the sidecar has one (an older one may hold the whole file's only)."""
-    data = storage.read_range(rel, span.start, span.end) if span.end > span.start else b""
-    if len(data) != span.end - span.start:
-        raise ValueError(f"the file ends {span.end - span.start - len(data)} bytes short of what its header describes")
+    data = fetch(storage, rel, span.start, span.end)
     if check and sidecar.tensor_digests is not None and encoding.digest(data, sidecar.algorithm) != (
             want := _wanted(sidecar, name)):
         raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
