@@ -159,6 +159,23 @@ def test_a_follower_stops_when_a_stream_it_read_starts_over(setup, tmp_path, fir
         later.torch_dataset(4, rank=1, world=2, snapshot=snapshot)
 
 
+@pytest.mark.slow
+def test_a_follower_that_finds_run_json_gone_stops_as_started_over(setup, tmp_path):
+    """A full --overwrite ends every stream's generation, deletes run.json and writes it again: a follower that
+    lists the run in that window stops with the same line as one that lists it before or after (it was a CI
+    flake: "no run.json here, so not a harvest run")."""
+    out, book = tmp_path / "run", tmp_path / "rounds"
+    done = run_harvest(*extract(setup, out, "--streams", "0")[3:], env=setup["env"], timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    follower = Follower(out, book)
+    follower.start()
+    wait_for(lambda: (book / "epoch_00000").is_dir() and follower.served)  # it read stream 0 and waits for 1
+    (out / "run.json").unlink()
+    follower.join(timeout=60)
+    assert not follower.is_alive() and isinstance(follower.error, StartedOverError), follower.error
+    assert "run.json went while the run was being read" in str(follower.error)
+
+
 def other_model(checkpoint: Path, to: Path) -> Path:
     """The demo checkpoint with its embeddings scaled: another model, the same shapes and tokenizer."""
     from safetensors.numpy import load_file, save_file

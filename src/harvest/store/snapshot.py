@@ -72,13 +72,21 @@ class Snapshot:
 
     def grown(self, storage: Storage) -> Snapshot:
         """The run as it stands now, for a reader that follows it: only the sidecars committed since this
-        snapshot are read (committed ones never change). UserError in one line when run.json changed meanwhile
-        (the run was started over, e.g. with --overwrite): what was read of it is no longer the run."""
-        info = read_run_info(storage)
+        snapshot are read (committed ones never change). StartedOverError in one line when run.json changed or
+        went meanwhile (a full --overwrite deletes it after ending every stream's generation, then writes it
+        again): what was read of it is no longer the run."""
+        try:
+            info = read_run_info(storage)
+        except UserError:
+            if storage.exists(fmt.RUN_JSON):
+                raise
+            raise StartedOverError(f"{storage.url}: run.json went while the run was being read (a full --overwrite "
+                                   "is starting it over, or it was deleted): what was read is no longer the run; "
+                                   "start the reader over too (a new --out for an SAE)") from None
         if info.to_bytes() != self.info.to_bytes():
-            raise UserError(f"{storage.url_of(fmt.RUN_JSON)} changed while it was being read (the run was started "
-                            "over, e.g. with --overwrite): what was read belongs to another run; start the reader "
-                            "over too (a new --out for an SAE)")
+            raise StartedOverError(f"{storage.url_of(fmt.RUN_JSON)} changed while it was being read (the run was "
+                                   "started over, e.g. with --overwrite): what was read belongs to another run; "
+                                   "start the reader over too (a new --out for an SAE)")
         known = {(sc.stream, sc.shard): sc for sc in self.shards}
         chains = read_chains(storage, covered_streams(info), known=known)
         grown = dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
