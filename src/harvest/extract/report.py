@@ -11,6 +11,7 @@ again: the live line counts only pieces past it, and the summary's totals are th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import threading
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from harvest.data.batching import Piece, Row
+from harvest.store.bounds import Waits
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
 from harvest.store.listing import read_chains
@@ -50,6 +52,7 @@ class Progress:
         self.session_tokens = 0  # computed in this process, for the rate
         self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
         self.shards = 0
+        self.waits = Waits()  # where the pipeline's stages wait: what bounds the run
 
     def rows_done(self, stream: int, row: Row) -> None:
         with self._lock:
@@ -73,11 +76,13 @@ class Progress:
             self.bytes_committed += manifest.bytes
             rate = self.session_tokens / max(time.monotonic() - self.started, 1e-9)
             packing = tuple(self.packing.get(manifest.stream, (0, 0)))
+        shares = self.waits.shares(live=True)
         record = ProgressRecord(
             stream=manifest.stream, records_done=manifest.records if manifest.final else manifest.next[0],
             total=manifest.records if manifest.final else self.totals.get(manifest.stream),
             shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
-            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing)
+            updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing,
+            bound=shares.bound, bound_share=round(shares.bound_share, 3))
         self.out.write_bytes(fmt.progress_path(manifest.stream), record.to_bytes())
 
     def line(self) -> str:
@@ -143,6 +148,8 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
     skipped = [entry for sc in sidecars for entry in sc.skipped]
     reasons = Counter(s["reason"].split(" (")[0] for s in skipped)
     real, slots = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
+    stored, tokens = sum(sc.bytes for sc in sidecars), sum(sc.tokens for sc in sidecars)
+    shares = progress.waits.shares()
     return {
         "out": out.url,
         "streams": len(chosen),
@@ -154,6 +161,9 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
         "bytes_per_s": round(progress.bytes_committed / max(elapsed, 1e-9), 1),  # what storage absorbed
         "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots
+        "bytes_per_token": round(stored / tokens, 1) if tokens else 0.0,  # the data objects of the streams' shards
+        "waits": dataclasses.asdict(shares),  # each stage's share of the pipeline's time (harvest.store.bounds)
+        "bound": shares.line(),
         "shards_written": progress.shards,
         "truncated": long["truncated"],
         "chunked": long["chunked"],

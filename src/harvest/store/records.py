@@ -314,7 +314,9 @@ def _check_chunks(sidecar: Sidecar) -> None:
 @dataclasses.dataclass(frozen=True)
 class Progress(Record):
     """`stream_NNNNN/progress.json`, rewritten after each commit, for `harvest status`; never read for
-    correctness. `total` is None while a plain source's length is unknown."""
+    correctness. `total` is None while a plain source's length is unknown. `bound`: the stage that bounded the
+    worker's pipeline so far (chip, host, storage or feeder: harvest.store.bounds), `bound_share` its share of
+    the time; "" in records written before them, or before the first batch."""
 
     stream: int
     records_done: int
@@ -325,6 +327,8 @@ class Progress(Record):
     updated_at: str  # ISO 8601, UTC
     done: bool
     packing: tuple[int, ...] = (0, 0)  # (real tokens, computed row slots) of this session's rows: packing efficiency
+    bound: str = ""
+    bound_share: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.js
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
@@ -22,6 +23,8 @@ from rich.text import Text
 from harvest.console import table_console
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
+from harvest.store import format as fmt
+from harvest.store.bounds import ADVICE
 from harvest.store.listing import (covered_streams, read_chains, read_lease, read_progress, read_run_info,
                                    stream_count)
 from harvest.store.records import RunInfo, Sidecar
@@ -124,10 +127,12 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
     return {
         "stream": s, "state": state, "records": records, "total": total,
         "samples": sum(sc.samples for sc in committed), "tokens": tokens, "shards": len(committed),
-        "bytes": stored, "rate": rate,
+        "bytes": stored, "rate": rate, "bytes_per_token": stored / tokens if tokens else 0.0,
         # what storage absorbs: the rate at the bytes per token its committed shards hold (0 before the first)
         "byte_rate": rate * stored / tokens if tokens else 0.0,
         "worker": progress.worker if progress else "-", "age": age,
+        # the stage that bounded the stream's worker, as it last recorded it, and that stage's share of its time
+        "bound": (progress.bound, progress.bound_share) if progress and progress.bound else None,
     }
 
 
@@ -142,7 +147,7 @@ def _records_cell(records: int, total: int | None) -> str:
 
 def status_rows(url: str | Storage | RunScanner, now: datetime | None = None) -> list[dict[str, Any]]:
     """Per-stream status as plain dicts (stream, state, records, total, samples, tokens, shards, bytes,
-    rate (tokens/s), byte_rate (bytes/s), worker, age)."""
+    rate (tokens/s), byte_rate (bytes/s), bytes_per_token, worker, age, bound ((stage, share) or None))."""
     scanner = url if isinstance(url, RunScanner) else RunScanner(url)
     now = now or datetime.now(timezone.utc)
     return [_row(scanner.info, scanned, now) for scanned in scanner.scan()]
@@ -157,8 +162,9 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
     done = sum(r["state"] == "done" for r in rows)
     table = Table(title=f"{scanner.storage.url}: {done}/{len(rows)} streams done", title_justify="left")
     for name, justify in [("stream", "right"), ("state", "left"), ("records", "right"), ("samples", "right"),
-                          ("tokens", "right"), ("shards", "right"), ("stored", "right"), ("tokens/s", "right"),
-                          ("bytes/s", "right"), ("worker", "left"), ("updated", "right")]:
+                          ("tokens", "right"), ("shards", "right"), ("stored", "right"), ("B/token", "right"),
+                          ("tokens/s", "right"), ("bytes/s", "right"), ("bound", "left"), ("worker", "left"),
+                          ("updated", "right")]:
         table.add_column(name, justify=justify)
     shown = rows
     if max_rows is not None and len(rows) > max_rows:
@@ -170,27 +176,50 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
         table.add_row(str(r["stream"]), Text(r["state"], style=_STYLE[r["state"]]),
                       _records_cell(r["records"], r["total"]),
                       human_count(r["samples"]), human_count(r["tokens"]), str(r["shards"]), human_bytes(r["bytes"]),
-                      human_count(r["rate"]) if r["rate"] else "-",
-                      human_bytes(r["byte_rate"]) if r["byte_rate"] else "-", str(r["worker"]), human_age(r["age"]))
+                      _per_token(r["bytes"], r["tokens"]), human_count(r["rate"]) if r["rate"] else "-",
+                      human_bytes(r["byte_rate"]) if r["byte_rate"] else "-", _bound_cell(r["bound"]),
+                      str(r["worker"]), human_age(r["age"]))
     if len(shown) < len(rows):
         hidden = [r for r in rows if r not in shown]
-        table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "", "", "",
+        table.add_row("...", Text(f"{len(hidden)} more", style="dim"), "", "", "", "", "", "", "", "", "", "",
                       f"{sum(r['state'] == 'done' for r in hidden)} of them done")
     totals = [r["total"] for r in rows]
     total = sum(totals) if all(t is not None for t in totals) else None
     ages = [r["age"] for r in rows if r["age"] is not None]
+    tokens, stored = sum(r["tokens"] for r in rows), sum(r["bytes"] for r in rows)
+    bounds = Counter(r["bound"][0] for r in rows if r["bound"])
     table.add_row("total", Text(f"{done}/{len(rows)} done"), _records_cell(sum(r["records"] for r in rows), total),
-                  human_count(sum(r["samples"] for r in rows)), human_count(sum(r["tokens"] for r in rows)),
-                  str(sum(r["shards"] for r in rows)), human_bytes(sum(r["bytes"] for r in rows)),
+                  human_count(sum(r["samples"] for r in rows)), human_count(tokens),
+                  str(sum(r["shards"] for r in rows)), human_bytes(stored), _per_token(stored, tokens),
                   human_count(sum(r["rate"] for r in rows)) if any(r["rate"] for r in rows) else "-",
                   human_bytes(sum(r["byte_rate"] for r in rows)) if any(r["byte_rate"] for r in rows) else "-",
+                  ", ".join(f"{stage} x{n}" for stage, n in bounds.most_common()) or "-",
                   f"{len({r['worker'] for r in rows if r['state'] == 'running'})} running",
                   human_age(min(ages) if ages else None), style="bold", end_section=True)
     committed = Snapshot(scanner.storage.url, scanner.info, tuple(scanner.committed()))
-    table.caption = "first tokens: " + "; ".join(f"{name} {first_token_share(committed, name)}"
-                                                 for name in scanner.info.tensors)
+    table.caption = "\n".join([
+        "first tokens: " + "; ".join(f"{name} {first_token_share(committed, name)}" for name in scanner.info.tensors),
+        f"bytes per token: {_per_token(stored, tokens)} stored; the values "
+        + ", ".join(f"{name} {size:,} B" for name, size in token_bytes(scanner.info).items())
+        + f" ({scanner.info.dtype}{', with a float32 scale' if scanner.info.quantization else ''})",
+        *(f"bound {stage}: {ADVICE[stage]}" for stage in bounds if stage in ADVICE)])
     table.caption_justify = "left"
     return table
+
+
+def token_bytes(info: RunInfo) -> dict[str, int]:
+    """Each tensor's bytes per token as stored: its width in the run's dtype, plus a float32 scale where the
+    values are 8-bit codes (harvest.store.quant); a shard adds its header and the token ids."""
+    itemsize = np.dtype(fmt.STORED_DTYPES[info.dtype]).itemsize
+    return {name: width * itemsize + (4 if info.quantization else 0) for name, width in info.tensors.items()}
+
+
+def _per_token(stored: int, tokens: int) -> str:
+    return f"{stored / tokens:,.0f} B" if tokens else "-"
+
+
+def _bound_cell(bound: tuple[str, float] | None) -> str:
+    return f"{bound[0]} {bound[1]:.0%}" if bound else "-"
 
 
 def watch(url: str | Storage, interval: float = 10.0, *, console: Console | None = None,
