@@ -1,0 +1,116 @@
+"""Shard-sized uploads to fake-gcs-server and moto, real servers on 127.0.0.1: GCS's one streamed media upload
+and S3's multipart upload with its parts in flight (parts made small here through S3Backend.part_size). A data
+object lands whole or not at all, its sidecar is still created once, and a failure midway leaves nothing that
+a listing (or `harvest verify`, which lists the same way) sees."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from harvest.storage import Storage, StorageError
+
+pytest_plugins = ["storage_servers"]
+
+PART = 5 * 2**20  # S3's smallest part but the last (moto refuses smaller ones, as S3 does)
+DATA = "stream_00000/shard_000000-0123abcd.safetensors"
+SIDECAR = "stream_00000/shard_000000.json"
+
+
+def shard_parts(size: int, seed: int = 0) -> list:
+    """A data object as the Committer hands it to Storage.write_bytes: a header, then uint8 views of tensors."""
+    body = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    return [b"\x10\x00\x00\x00header", *np.array_split(body, 3)]
+
+
+def joined(parts: list) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def storage(url: str, part_size: int = PART, **kwargs) -> Storage:
+    st = Storage(url, backoff=0.05, **kwargs)
+    if st.protocol == "s3":
+        st.backend.part_size = part_size
+    return st
+
+
+def multipart_uploads(st: Storage) -> list:
+    """The S3 multipart uploads begun and neither completed nor aborted in the bucket."""
+    fs = st.backend.fs
+    return fs.call_s3("list_multipart_uploads", Bucket=st.bucket).get("Uploads", [])
+
+
+@pytest.fixture(params=["gs", "s3"])
+def flaky(request):
+    """(URL through a FlakyProxy, the proxy)."""
+    kind = "gcs" if request.param == "gs" else "s3"
+    return request.getfixturevalue(f"{kind}_proxy_url"), request.getfixturevalue(f"{kind}_proxy")
+
+
+def outage_midway(proxy, after: int, seconds: float) -> threading.Thread:
+    """Once `after` bytes went up through `proxy`, an outage of `seconds` (open connections reset, new ones
+    refused)."""
+    def run() -> None:
+        start = proxy.bytes_up
+        while proxy.bytes_up < start + after:
+            time.sleep(0.001)
+        proxy.outage(seconds)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("url_fixture", ["gcs_url", "s3_url"])
+def test_a_large_shard_reads_back_byte_identical_and_its_sidecar_is_created_once(url_fixture, request):
+    st = storage(request.getfixturevalue(url_fixture))
+    parts = shard_parts(3 * PART + 12345)
+    st.write_bytes(DATA, parts)
+    assert st.read_bytes(DATA) == joined(parts)
+    assert st.listdir("stream_00000") == [DATA.split("/")[1]]
+    if st.protocol == "s3":  # a multipart object's ETag ends in its part count: the parallel path ran
+        assert st.read_versioned(DATA).token.strip('"').endswith("-4")
+    assert st.create_exclusive(SIDECAR, b'{"writer": 1}')
+    assert not st.create_exclusive(SIDECAR, b'{"writer": 2}')
+    assert st.read_bytes(SIDECAR) == b'{"writer": 1}'
+
+
+def test_a_refused_multipart_upload_is_aborted_and_leaves_no_object(s3_url):
+    """Parts below S3's 5 MiB minimum: the server refuses the completion, the upload is aborted."""
+    st = storage(s3_url, part_size=2**20)
+    with pytest.raises(StorageError, match=r"cannot write s3://.*shard_000000-0123abcd\.safetensors"):
+        st.write_bytes(DATA, shard_parts(3 * 2**20))
+    assert not st.exists(DATA) and st.listdir("stream_00000") == []
+    assert multipart_uploads(st) == []
+
+
+def test_an_upload_cut_off_midway_leaves_nothing_listed(flaky):
+    url, proxy = flaky
+    st = storage(url, attempts=1)
+    outage = outage_midway(proxy, 2 * PART, 1.0)
+    with pytest.raises(StorageError, match="cannot write"):
+        st.write_bytes(DATA, shard_parts(6 * PART))
+    outage.join()
+    while proxy.down:
+        time.sleep(0.05)
+    assert not st.exists(DATA) and st.listdir("stream_00000") == []
+
+
+def test_an_upload_retried_through_an_outage_lands_whole_and_alone(flaky):
+    url, proxy = flaky
+    st = storage(url)
+    parts = shard_parts(6 * PART + 7)
+    outage = outage_midway(proxy, 2 * PART, 0.5)
+    st.write_bytes(DATA, parts)
+    outage.join()
+    assert proxy.outages == 1
+    assert st.read_bytes(DATA) == joined(parts)
+    assert st.listdir("stream_00000") == [DATA.split("/")[1]]
+
+
+def test_object_stores_keep_more_writes_in_flight_than_a_disk(tmp_path, gcs_url, s3_url):
+    local, gs, s3 = Storage(str(tmp_path)), Storage(gcs_url), Storage(s3_url)
+    assert local.writes_in_flight >= 2
+    assert gs.writes_in_flight > local.writes_in_flight and s3.writes_in_flight > local.writes_in_flight
