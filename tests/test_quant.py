@@ -151,15 +151,19 @@ def test_extract_reads_back_within_the_bound_on_every_path(runs, dtype):
 def test_stats_are_the_float32_values_stats(runs, dtype):
     """Stats come from the values before quantization: the float32 run's, to float64 merge order (the shards
     split elsewhere: 8-bit rows are smaller)."""
-    ref, run = harvest.open(str(runs["float32"])), harvest.open(str(runs[dtype]))
+    assert_float32_stats(harvest.open(str(runs["float32"])), harvest.open(str(runs[dtype])))
+
+
+def assert_float32_stats(ref, run) -> None:
+    """`run`'s stats (of every token, of each sample's first) are those of the float32 run `ref`, to float64
+    merge order."""
     for name in NAMES:
-        a, b = ref.stats(name), run.stats(name)
-        assert a.count == b.count
-        np.testing.assert_allclose(b.mean, a.mean, rtol=1e-12, atol=1e-12 * np.abs(a.mean).max())
-        np.testing.assert_allclose(b.m2, a.m2, rtol=1e-12)
-        first_a, first_b = ref.view.first_token_stats(name), run.view.first_token_stats(name)
-        assert first_a.count == first_b.count == ref.num_samples
-        np.testing.assert_allclose(first_b.m2, first_a.m2, rtol=1e-12)
+        for a, b in ((ref.stats(name), run.stats(name)),
+                     (ref.view.first_token_stats(name), run.view.first_token_stats(name))):
+            assert a.count == b.count
+            np.testing.assert_allclose(b.mean, a.mean, rtol=1e-12, atol=1e-12 * np.abs(a.mean).max())
+            np.testing.assert_allclose(b.m2, a.m2, rtol=1e-12)
+        assert run.view.first_token_stats(name).count == ref.num_samples
 
 
 @pytest.mark.parametrize("dtype", CODES)

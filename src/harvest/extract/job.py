@@ -101,8 +101,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     # The forward compiles from here on (it needs only shapes), beside the tokenizer's load, the checks below, the
     # weights' load and the resume reads. Compiling writes nothing to the run; a command refused below prints its
     # line at once and exits when the compile ends (it cannot be interrupted), leaving the program in the cache.
-    # 8-bit codes are made on the host from float32 values, whose moments the sidecars' stats are.
-    decoding = dict(compute_dtype=compute_dtype, out_dtype="float32" if quant.is_quantized(cfg.dtype) else cfg.dtype,
+    # 8-bit codes are made on the device from float32 values, whose moments the sidecars' stats are.
+    code = cfg.dtype if quant.is_quantized(cfg.dtype) else None
+    decoding = dict(compute_dtype=compute_dtype, out_dtype=None if code else cfg.dtype, quantize=code,
                     moment_slots=moments.SLOTS, attention=cfg.attention)
     compile_start = since_start()
     compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),

@@ -29,7 +29,7 @@ from harvest.extract.startup import Startup, since_start
 from harvest.model import Decoder
 from harvest.runtime import distributed
 from harvest.runtime.mesh import data_slots
-from harvest.store import format as fmt
+from harvest.store import format as fmt, quant
 from harvest.store.commit import ABORT_WAIT_S, Committer, abandoned_at_stop
 
 QUEUE_DEPTH = 2
@@ -118,12 +118,13 @@ class Batch:
 
 
 def local_blocks(array: jax.Array) -> list:
-    """One addressable shard per distinct batch block (model-axis replicas hold the same rows); each holds
-    whole rows at full width, as forward's output sharding pins them."""
+    """One addressable shard per distinct batch block (model-axis replicas hold the same rows) of an array
+    [layers, batch, ...] (captures, their scales, moments); each holds whole rows (every layer, at full width),
+    as forward's output sharding pins them."""
     seen: dict[int, Any] = {}
     for shard in array.addressable_shards:
-        if shard.data.shape[-1] != array.shape[-1]:
-            raise AssertionError(f"captures split along their width: {array.sharding}")
+        if shard.data.shape[:1] + shard.data.shape[2:] != array.shape[:1] + array.shape[2:]:
+            raise AssertionError(f"captures split other than by batch row: {array.sharding}")
         seen.setdefault(shard.index[1].start or 0, shard)
     return [seen[k] for k in sorted(seen)]
 
@@ -220,11 +221,14 @@ def to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Commi
     while (item := captured.get()) is not None:
         batch, captures, moments = item
         blocks = jax.tree.map(host_blocks, (captures, moments))
+        # A quantizing decoder's scales [layers, batch, seq] go beside their codes, under the tensor's scale name.
+        taken = names + [(quant.scale_name(p), j, quant.scale_name(name)) for p, j, name in names
+                         if quant.scale_name(p) in captures]
         for r, entry in enumerate(batch.rows):
             if entry is None or entry[0] not in writers:  # another process writes that slot
                 continue
             stream, row = entry
-            values = {name: row_of(blocks[0][p], r)[j, : row.used] for p, j, name in names}
+            values = {name: row_of(blocks[0][p], r)[j, : row.used] for p, j, name in taken}
             own = {name: tuple(row_of(m, r)[j] for m in blocks[1][p]) for p, j, name in names} if moments else None
             for shard in writers[stream].add_row(row, values, own):
                 committer.submit(shard)

@@ -6,7 +6,8 @@ mesh or host count. Closed shards go to harvest.store.commit.Committer, each wit
 
 No activation is copied on the host: a shard holds its pieces as views into the batches they were
 captured in (which stay alive until the shard is committed), and the Committer writes and hashes them
-from there, one after another, as the safetensors file's bytes.
+from there, one after another, as the safetensors file's bytes. That holds for 8-bit codes too: the device
+makes them (harvest.model.quantize), and their scales wait beside them the same way.
 """
 
 from __future__ import annotations
@@ -27,16 +28,22 @@ from harvest.store.stats import RunningStats
 class ShardWriter:
     """Accumulates one stream's pieces (host numpy, storage dtype) and closes shards by size.
 
-    With `quantize` (an 8-bit code of harvest.store.quant) the pieces wait as float32 values, every piece's
-    moments come from them (the device's, or the host's here), and a shard is quantized as it closes: its
-    stats are those of the values, not of the codes."""
+    With `quantize` (an 8-bit code of harvest.store.quant, `dtype` its codes) each tensor's pieces come as the
+    device made them, codes with their scales beside them (under quant.scale_name), and go into the shard as
+    they are. Its stats stay those of the values before quantization: the device's moments and first tokens
+    (harvest.model.quantize) of the row's first pieces; a row's pieces beyond the device's slots (rare: its
+    33rd and on) get theirs here from the dequantized codes."""
 
     def __init__(self, stream: int, widths: dict[str, int], dtype: np.dtype, shard_bytes: int, resume: ResumePoint,
                  quantize: str | None = None):
         self.stream = stream
         self.widths = widths
         self.quantize = quantize
-        self.dtype = np.dtype(np.float32) if quantize else dtype
+        self.dtype = dtype
+        # What a shard stores, empty: each tensor, and each one's scales after it where quantized.
+        self.empty = {name: np.zeros((0, width), dtype) for name, width in widths.items()}
+        if quantize:
+            self.empty.update({quant.scale_name(name): np.zeros(0, np.float32) for name in widths})
         self.shard_bytes = shard_bytes
         self.pin: SourcePin | None = None  # the stream's content pin (pin_sources), None for a run made before pins
         # Bytes a piece adds: its activations (and scales) and tokens, plus offsets, sample_ids and variants entries.
@@ -52,7 +59,7 @@ class ShardWriter:
         self._reset()
 
     def _reset(self) -> None:
-        self.pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.widths}  # [tokens, width] views
+        self.pieces: dict[str, list[np.ndarray]] = {name: [] for name in self.empty}  # [tokens, (width)] views
         self.token_blocks: list[np.ndarray] = []
         self.lengths: list[int] = []
         self.sample_ids: list[int] = []
@@ -64,13 +71,14 @@ class ShardWriter:
         self.bytes = 0
 
     def add_row(self, row: Row, values: dict[str, np.ndarray], moments: dict | None = None) -> list[ClosedShard]:
-        """Take a row; `values[name]` is [row.used, width]; `moments[name]`, if given, is the row's (mean, M2)
-        [slots, width] of its first pieces (harvest.model.moments). Its pieces wait (as views: a block's batches
-        stay alive until its last row) until their block's last row, the one carrying `row.block`, arrives; then
-        they go in in stream order. Returns shards closed on the way."""
+        """Take a row; `values[name]` is [row.used, width] (quantized: codes, and `values[quant.scale_name(name)]`
+        their scales [row.used]); `moments[name]`, if given, is the row's (mean, M2) [slots, width] of its first
+        pieces (harvest.model.moments), quantized (mean, M2, first token) (harvest.model.quantize). Its pieces
+        wait (as views: a block's batches stay alive until its last row) until their block's last row, the one
+        carrying `row.block`, arrives; then they go in in stream order. Returns shards closed on the way."""
         for k, (piece, offset) in enumerate(row.events):
             if piece.pos >= self.committed:  # else already in a committed shard (a resume re-packs its block)
-                own = {name: (m[0][k], m[1][k]) for name, m in moments.items()} if moments and k < _slots(moments) \
+                own = {name: tuple(a[k] for a in m) for name, m in moments.items()} if moments and k < _slots(moments) \
                     else None
                 self.waiting[piece.pos] = ({name: v[offset : offset + len(piece.tokens)] for name, v in values.items()},
                                            own)
@@ -95,14 +103,21 @@ class ShardWriter:
 
     def _add_piece(self, piece: Piece, values: dict[str, np.ndarray], moments: dict | None) -> None:
         for name, block in values.items():
-            block = block if block.dtype == self.dtype else block.astype(self.dtype)
+            if block.dtype != self.empty[name].dtype:
+                if self.quantize:
+                    raise TypeError(f"{name}: {block.dtype} where the device's {self.empty[name].dtype} was expected")
+                block = block.astype(self.dtype)
             self.pieces[name].append(block)
-            self.firsts[name].append(block[:1])
+        for name in self.widths:
+            mean, m2, *first = moments[name] if moments else (None, None)
+            if self.quantize and not first:  # beyond the device's slots: from the dequantized codes
+                codes, scales = values[name], values[quant.scale_name(name)]
+                if mean is None:
+                    own = RunningStats.of(quant.dequantize(codes, scales))
+                    mean, m2 = own.mean, own.m2
+                first = list(quant.dequantize(codes[:1], scales[:1]))
+            self.firsts[name].append(first[0][None] if first else self.pieces[name][-1][:1])
             means, m2s = self.moments[name]
-            mean, m2 = moments[name] if moments else (None, None)
-            if mean is None and self.quantize:  # the values' own, before they become codes
-                own = RunningStats.of(block)
-                mean, m2 = own.mean, own.m2
             means.append(mean)
             m2s.append(m2)
         self.token_blocks.append(piece.tokens)
@@ -113,8 +128,7 @@ class ShardWriter:
             self.long[piece.long] += 1
 
     def _close(self, *, next: fmt.Position, row_start: fmt.Position, final: bool, records: int) -> ClosedShard:
-        tensors = {name: pieces or [np.zeros((0, self.widths[name]), self.dtype)]
-                   for name, pieces in self.pieces.items()}
+        tensors = {name: pieces or [self.empty[name]] for name, pieces in self.pieces.items()}
         through = pinned_records(next)
         digest = None if self.pin is None else self.pin.digest(through)
         if self.pin is not None:
@@ -122,7 +136,7 @@ class ShardWriter:
         shard = ClosedShard(
             stream=self.stream,
             shard=self.shard,
-            tensors=quant.quantize_blocks(tensors, self.quantize) if self.quantize else tensors,
+            tensors=tensors,
             tokens=np.concatenate(self.token_blocks) if self.token_blocks else np.zeros(0, np.int32),
             lengths=np.asarray(self.lengths, np.int64),
             sample_ids=np.asarray(self.sample_ids, np.int64),

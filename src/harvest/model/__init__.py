@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from harvest.model.config import ModelConfig
 from harvest.model.moments import piece_moments
 from harvest.model.points import POINTS, CapturePlan, parse_points
+from harvest.model.quantize import piece_firsts, quantized
 from harvest.model.transformer import forward
 from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime.mesh import constrainer, logical_sharding
@@ -42,10 +43,13 @@ class Decoder:
     out_dtype: str | None = None  # cast captures on device (halves device->host bytes for bf16 storage)
     attention: str = "auto"  # model.attention.KINDS; auto: the backend's best
     moment_slots: int = 0  # > 0: `step` also gives each row's first pieces' mean and M2 (harvest.model.moments)
+    # An 8-bit code of harvest.store.quant (int8, float8_e4m3fn): captures leave the device as codes and scales of
+    # their float32 values (harvest.model.quantize); out_dtype must then be None.
+    quantize: str | None = None
 
     def __post_init__(self):
         self._forward = _forward_program(self.cfg, self.plan, self.mesh, self.out_dtype, self.attention,
-                                         self.moment_slots)
+                                         self.moment_slots, self.quantize)
 
     def shard_batch(self, array: np.ndarray) -> jax.Array:
         """A [batch, seq] host array (the same on every process) placed along the mesh's data axes."""
@@ -58,39 +62,49 @@ class Decoder:
 
     def step(self, tokens: np.ndarray, segment_ids: np.ndarray) -> tuple[dict[str, jax.Array], dict[str, tuple]]:
         """The captures, and {point: (mean, M2)} [n_layers_captured, batch, moment_slots, width] float32 of each
-        row's first `moment_slots` pieces ({} without moment slots)."""
+        row's first `moment_slots` pieces ({} without moment slots). With `quantize` the captures are {point:
+        codes [n_layers_captured, batch, seq, width], store.quant.scale_name(point): scales [.., batch, seq]
+        float32}, and each point's moments, of the float32 values, are (mean, M2, first): first, of the same
+        shape, holds each of those pieces' first token in float32 (harvest.model.quantize.piece_firsts)."""
         tokens, segment_ids = np.asarray(tokens, np.int32), np.asarray(segment_ids, np.int32)
         return self._forward(self.params, self.shard_batch(tokens), self.shard_batch(segment_ids))
 
 
 def load_decoder(model: str | Path, points: str, mesh: Mesh, compute_dtype: str | None = None,
-                 out_dtype: str | None = None, moment_slots: int = 0, attention: str = "auto") -> Decoder:
+                 out_dtype: str | None = None, moment_slots: int = 0, attention: str = "auto",
+                 quantize: str | None = None) -> Decoder:
     """Read config and weights (only the layers the points need) straight into the mesh."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     dtype = jnp.dtype(compute_dtype or default_compute_dtype())
     params = load_params(path, cfg, dtype=dtype, mesh=mesh, num_layers=plan.num_layers)
-    return Decoder(cfg, plan, params, mesh, out_dtype, attention, moment_slots=moment_slots)
+    return Decoder(cfg, plan, params, mesh, out_dtype, attention, moment_slots=moment_slots, quantize=quantize)
 
 
 @functools.lru_cache(maxsize=16)
 def _forward_program(cfg: ModelConfig, plan: CapturePlan, mesh: Mesh, out_dtype: str | None, attention: str,
-                     moment_slots: int):
+                     moment_slots: int, quantize: str | None = None):
     """The jitted step (captures, and each row's first pieces' moments), one per setting: compile_forward's
     programs are the ones the Decoder then runs."""
+    if quantize and out_dtype:
+        raise ValueError(f"captures quantized to {quantize} are codes of their float32 values, not {out_dtype}")
     one_device = mesh.devices.size == 1
     # On one device there is nothing to pin.
     constrain = None if one_device else constrainer(mesh)
     run = partial(forward, cfg=cfg, plan=plan, constrain=constrain, attention=attention,
                   mesh=None if one_device else mesh)
-    dtype = out_dtype and jnp.dtype(out_dtype)
+    dtype = "float32" if quantize else out_dtype  # the captures' (None: as computed)
 
     def step(params, tokens, segment_ids):
         captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids).items()}
         moments = {p: piece_moments(v, segment_ids, moment_slots) for p, v in captures.items()} if moment_slots else {}
-        if constrain is not None:  # whole rows at full width, as the captures (the host slices them by row)
+        if quantize:
+            moments = {p: (*m, piece_firsts(captures[p], segment_ids, moment_slots)) for p, m in moments.items()}
+            captures = quantized(captures, quantize)
+        if constrain is not None:  # whole rows (at full width), as the captures (the host slices them by row)
             moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
+            captures = {k: constrain(v, ("capture", "batch", *[None] * (v.ndim - 2))) for k, v in captures.items()}
         return captures, moments
 
     return jax.jit(step)
@@ -102,7 +116,7 @@ def _batch_sharding(shape: tuple[int, int], mesh: Mesh):
 
 def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, int],
                     compute_dtype: str | None = None, out_dtype: str | None = None, moment_slots: int = 0,
-                    attention: str = "auto") -> concurrent.futures.Future:
+                    attention: str = "auto", quantize: str | None = None) -> concurrent.futures.Future:
     """Compile the forward that load_decoder's Decoder (same arguments) runs on batches of `shape`, from the
     params' shapes alone, in the background: the compile (seconds on a CPU, minutes for a large model on a pod)
     overlaps reading the weights and the data's first rows. The result() is None; wait for it before the first
@@ -110,7 +124,7 @@ def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
-    program = _forward_program(cfg, plan, mesh, out_dtype, attention, moment_slots)
+    program = _forward_program(cfg, plan, mesh, out_dtype, attention, moment_slots, quantize)
     params = params_shape(cfg, dtype=compute_dtype or default_compute_dtype(), mesh=mesh, num_layers=plan.num_layers)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, mesh))
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
