@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # table.py, workloads.py
 from table import show
-from workloads import build_model, workload_texts, write_data
+from workloads import add_model_args, build_model, workload_texts, write_data
 
 from harvest.store.bounds import Shares
 
@@ -47,13 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="alternated runs of each count (default 2)")
     p.add_argument("--out", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                    help="where runs are written (default /dev/shm: memory, the host stage's bound, not a disk's)")
-    m = p.add_argument_group("model (Qwen2, random weights)")
-    m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    m.add_argument("--intermediate", type=int, default=768, help="MLP width (default 768)")
-    m.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    m.add_argument("--vocab", type=int, default=320, help="vocabulary (default 320)")
+    add_model_args(p)
     p.add_argument("--child", nargs=3, metavar=("MODEL", "STREAMS", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     args.devices = [int(n) for n in args.devices.split(",")]

@@ -56,7 +56,7 @@ import torch
 import transformers
 import hf_loop
 from table import show
-from workloads import build_model, harvest_command, hf_command, workload_texts, write_data
+from workloads import add_model_args, build_model, harvest_command, hf_command, workload_texts, write_data
 
 from harvest.config import ExtractConfig
 from harvest.data import prompts, streams
@@ -94,13 +94,7 @@ def parse_args() -> argparse.Namespace:
     r.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention (default sdpa)")
     r.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     r.add_argument("--keep", default=None, help="write model, data and outputs here and keep them (default: temp)")
-    m = p.add_argument_group("model (Qwen2, random weights)")
-    m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    m.add_argument("--intermediate", type=int, default=768, help="MLP width (default 768)")
-    m.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
-    m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
+    add_model_args(p)
     args = p.parse_args()
     args.workloads = [w for w in args.workloads.split(",") if w]
     if not set(args.workloads) <= set(WORKLOADS):

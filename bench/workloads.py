@@ -25,6 +25,17 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
          "national history people school system season several although including company number music").split()
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The random model's flags, as build_model reads them."""
+    m = p.add_argument_group("model (Qwen2, random weights)")
+    m.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    m.add_argument("--intermediate", type=int, default=768, help="MLP width (default 768)")
+    m.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
+    m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
+
+
 def build_model(args: argparse.Namespace, root: Path) -> Path:
     """A random Qwen2 checkpoint (non-zero biases, as forward.build_models) with harvest.demo's byte tokenizer."""
     torch.manual_seed(0)
