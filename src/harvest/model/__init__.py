@@ -23,8 +23,8 @@ from harvest.model.transformer import forward
 from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime.mesh import constrainer, logical_sharding
 
-__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "load_decoder",
-           "parse_points"]
+__all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "handed",
+           "load_decoder", "parse_points"]
 
 
 def default_compute_dtype() -> str:
@@ -98,16 +98,24 @@ def _forward_program(cfg: ModelConfig, plan: CapturePlan, mesh: Mesh, out_dtype:
 
     def step(params, tokens, segment_ids):
         captures = {p: v.astype(dtype or v.dtype) for p, v in run(params, tokens, segment_ids).items()}
-        moments = {p: piece_moments(v, segment_ids, moment_slots) for p, v in captures.items()} if moment_slots else {}
-        if quantize:
-            moments = {p: (*m, piece_firsts(captures[p], segment_ids, moment_slots)) for p, m in moments.items()}
-            captures = quantized(captures, quantize)
+        captures, moments = handed(captures, segment_ids, moment_slots, quantize)
         if constrain is not None:  # whole rows (at full width), as the captures (the host slices them by row)
             moments = jax.tree.map(lambda m: constrain(m, ("capture", "batch", None, None)), moments)
             captures = {k: constrain(v, ("capture", "batch", *[None] * (v.ndim - 2))) for k, v in captures.items()}
         return captures, moments
 
     return jax.jit(step)
+
+
+def handed(captures: dict[str, jax.Array], segment_ids: jax.Array, moment_slots: int,
+           quantize: str | None = None) -> tuple[dict[str, jax.Array], dict[str, tuple]]:
+    """What the step hands the host of its captures {point: values} (float32 where quantized): Decoder.step's
+    (captures, moments). Public for benchmarks that make a device's outputs without a model."""
+    moments = {p: piece_moments(v, segment_ids, moment_slots) for p, v in captures.items()} if moment_slots else {}
+    if not quantize:
+        return captures, moments
+    return (quantized(captures, quantize),
+            {p: (*m, piece_firsts(captures[p], segment_ids, moment_slots)) for p, m in moments.items()})
 
 
 def _batch_sharding(shape: tuple[int, int], mesh: Mesh):

@@ -9,6 +9,9 @@ Bounds, per element of a row with scale s (s = max|x| / QMAX), both tested:
   int8 (QMAX 127, codes rounded to nearest):  |x - x^| <= s / 2
   float8_e4m3fn (QMAX 448, 3 mantissa bits):  |x - x^| <= max(|x| / 16, s * 2^-10)
 (plus float32 rounding of the product, |x| * 2^-23).
+
+`harvest extract` makes the codes on the device (harvest.model.quantize, from QMAX and CODES here); `quantize`
+is the reference its tests hold it to, and what bench/quant.py stores runs with.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, out_dtype=np.float32) -> np
 
 def quantize_blocks(tensors: dict[str, list[np.ndarray]], dtype: str) -> dict[str, list[np.ndarray]]:
     """A shard's tensors (each as its blocks of rows) -> the tensors to store: codes under the same names,
-    and each one's scales beside it."""
+    and each one's scales beside it (bench/quant.py's host-side writer)."""
     out: dict[str, list[np.ndarray]] = {}
     for name, blocks in tensors.items():
         pairs = [quantize(block, dtype) for block in blocks]
