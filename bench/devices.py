@@ -86,6 +86,13 @@ def per_second(tokens: int, seconds: float) -> str:
     return f"{tokens / seconds:,.0f}" if seconds > 0 else "-"  # "-": not measured (no batch went through)
 
 
+def host_takes(tokens: int, seconds: float, bytes_per_token: float) -> str:
+    """Tokens per second of the host stage's own work, and the bytes per second that stores."""
+    if seconds <= 0:
+        return "-"
+    return f"{tokens / seconds:,.0f} ({tokens / seconds * bytes_per_token / 1e9:.2f} GB/s)"
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
@@ -111,20 +118,22 @@ def main() -> None:
     base = best[args.devices[0]]["tokens_per_s"]
     rows = [[str(n), f"{r['tokens_this_run']:,}", f"{r['seconds']:.1f}", f"{r['tokens_per_s']:,.0f}",
              f"{r['tokens_per_s'] / base:.2f}x", per_second(r["tokens_this_run"], r["waits"]["window_s"]),
-             per_second(r["tokens_this_run"], r["waits"]["host"] * r["waits"]["window_s"]),
+             host_takes(r["tokens_this_run"], r["waits"]["host"] * r["waits"]["window_s"], r["bytes_per_token"]),
              f"{r['bytes_per_token']:,.0f}", *(f"{r['waits'][s]:.0%}" for s in STAGES),
              Shares(**r["waits"]).bound or "-"]
             for n, r in best.items()]
     footer = (f"whole extraction (run_extract, compile from harvest's cache after the first run of a count) of "
-              f"{args.texts} short texts in {args.streams} streams, each count in its own process with that many CPU "
-              f"devices on a data mesh; fastest of {args.rounds} alternated rounds. x 1st: tokens/s over "
-              f"{args.devices[0]} device(s) in this run. steady: tokens/s from the first batch (compile and start-up out). "
-              f"host takes: tokens per second of the host stage's own work, what it would keep up with. Shares: of "
-              f"the pipeline's time from the first batch (harvest.store.bounds): chip = the host waiting on the forward, host = the host stage's own work, "
-              f"storage = waiting on commits, feeder = on tokenizing. Qwen2 random weights: {args.layers} layers, "
-              f"hidden {args.hidden}; points {args.points}; {args.batch_size} rows of {args.max_seq_len} per device; "
-              f"fp32 compute, {args.dtype} stored in {args.out or 'a temp dir'}, shards of {args.shard_size}. "
-              f"{os.cpu_count()} cores; load average {load:.1f} before, {os.getloadavg()[0]:.1f} after")
+              f"{args.texts} short texts in {args.streams} streams, each count in its own process with that many "
+              f"CPU devices on a data mesh; fastest of {args.rounds} alternated rounds. x 1st: tokens/s over "
+              f"{args.devices[0]} device(s) in this run. steady: tokens/s from the first batch (compile and start-up "
+              f"out). host takes: tokens per second of the host stage's own work (and the GB/s stored at that "
+              f"rate): what it would keep up with. Shares of the pipeline's time from the first batch "
+              f"(harvest.store.bounds): chip = the host waiting on the forward, host = the host stage's own work, "
+              f"storage = waiting on commits, feeder = the forward waiting on tokenizing. Qwen2 random weights: "
+              f"{args.layers} layers, hidden {args.hidden}; points {args.points}; {args.batch_size} rows of "
+              f"{args.max_seq_len} per device; fp32 compute, {args.dtype} stored in {args.out or 'a temp dir'}, "
+              f"shards of {args.shard_size}. {os.cpu_count()} cores; load average {load:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after")
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "160")
     show("one process, N devices: the whole extraction", ["devices", "tokens", "seconds", "tokens/s", "x 1st",
