@@ -169,3 +169,43 @@ def test_sharded_run_keeps_the_float32_stats_records_and_readers(runs, code):
         for k in (0, len(ends) // 2, len(ends) - 1):
             sample = run.sample(int(values["sample_ids"][k]))
             np.testing.assert_array_equal(sample.activations[name], want[name][ends[k] - values["lengths"][k]:ends[k]])
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_pieces_beyond_the_device_slots_get_the_dequantized_codes_stats(code):
+    """A row's pieces past the device's moment slots (here 2 of 3) get their moments and first token on the host,
+    from the dequantized codes; the slots' come from the device as they are. The shard holds the codes and scales
+    as handed (views, not copies)."""
+    from harvest.data.batching import Piece, StreamEnd, pack_stream
+    from harvest.extract.shards import ShardWriter
+    from harvest.model import handed
+    from harvest.store.commit import ResumePoint
+    from harvest.store.stats import RunningStats
+
+    lengths = [5, 6, 7]
+    (row,) = pack_stream([*(Piece((i, 0), i, np.full(n, 3, np.int32)) for i, n in enumerate(lengths)),
+                          StreamEnd(3)], 32)
+    x = hard_values(9)[0, 0, :32]
+    captures, moments = jax.jit(handed, static_argnums=(2, 3))({"resid_post": x[None, None]}, row.segments[None],
+                                                              2, code)
+    codes, scales = (np.asarray(captures[k])[0, 0, : row.used] for k in ("resid_post", "resid_post.scale"))
+    own = {"resid_post.0": tuple(np.asarray(m)[0, 0] for m in moments["resid_post"])}
+    writer = ShardWriter(0, {"resid_post.0": 64}, quant.CODES[code], 1 << 20, ResumePoint(), quantize=code)
+    (shard,) = writer.add_row(row, {"resid_post.0": codes, "resid_post.0.scale": scales}, own)
+
+    assert [np.shares_memory(b, codes) for b in shard.tensors["resid_post.0"]] == [True] * 3
+    assert [np.shares_memory(b, scales) for b in shard.tensors["resid_post.0.scale"]] == [True] * 3
+    assert "resid_post.0.scale" not in shard.moments
+    means, m2s = shard.moments["resid_post.0"]
+    dequantized = quant.dequantize(codes, scales)
+    for k, (start, stop) in enumerate([(0, 5), (5, 11), (11, 18)]):
+        if k < 2:  # the device's, of the float32 values
+            np.testing.assert_array_equal(means[k], own["resid_post.0"][0][k])
+            np.testing.assert_array_equal(m2s[k], own["resid_post.0"][1][k])
+        else:
+            want = RunningStats.of(dequantized[start:stop])
+            np.testing.assert_array_equal(means[k], want.mean)
+            np.testing.assert_array_equal(m2s[k], want.m2)
+    firsts = RunningStats.of(np.stack([x[0], x[5], dequantized[11]]))
+    np.testing.assert_array_equal(shard.first_stats["resid_post.0"].mean, firsts.mean)
+    np.testing.assert_array_equal(shard.first_stats["resid_post.0"].m2, firsts.m2)
