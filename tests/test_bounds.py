@@ -11,7 +11,9 @@ import pytest
 
 from extract_helpers import harvest_env, run_harvest
 
+from harvest.extract.report import Progress, summarize
 from harvest.storage import Storage
+from harvest.store.commit import ResumePoint
 from harvest.store import format as fmt
 from harvest.store.bounds import ADVICE, Shares, Waits
 from harvest.store.listing import read_chain
@@ -134,6 +136,23 @@ def test_status_shows_bytes_per_token_stored_and_the_bound_each_worker_recorded(
     assert "storage 62%" in text and f"bound storage: {ADVICE['storage'][:40]}" in " ".join(text.split())
     # each tensor's values per token: 64 wide in bfloat16 (the demo model), no scale
     assert "resid_post.0 128 B, resid_post.1 128 B (bfloat16)" in text
+
+
+def test_the_summary_names_the_bound_and_the_bytes_per_token_stored(extracted):
+    out, _, _ = extracted
+    storage = Storage(str(out))
+    clock = Clock()
+    progress = Progress(storage, {0: None}, {0: ResumePoint()}, worker="w")
+    progress.waits = Waits(clock)
+    waited(progress.waits, clock, "feeder", 0.5)  # the forward's first batch: the window opens
+    waited(progress.waits, clock, "chip", 1.0)
+    clock.now += 3.0  # the host's own work
+    waited(progress.waits, clock, "chip", 0.0)  # the host takes the end of the captures: the window's end
+    summary = summarize(storage, [0], elapsed=5.0, progress=progress)
+    chain = read_chain(storage, 0)
+    assert summary["bytes_per_token"] == round(sum(sc.bytes for sc in chain) / sum(sc.tokens for sc in chain), 1)
+    assert summary["waits"] == {"window_s": 4.0, "chip": 0.25, "host": 0.75, "storage": 0.0, "feeder": 0.0}
+    assert summary["bound"] == f"bound: host (chip 25%, host 75%, storage 0%, feeder 0% of 4.0 s): {ADVICE['host']}"
 
 
 @pytest.mark.xfail(strict=True, reason="needs the pipeline's wait hooks (harvest.extract.pipeline) and the CLI's "
