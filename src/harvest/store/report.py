@@ -187,7 +187,7 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
     total = sum(totals) if all(t is not None for t in totals) else None
     ages = [r["age"] for r in rows if r["age"] is not None]
     tokens, stored = sum(r["tokens"] for r in rows), sum(r["bytes"] for r in rows)
-    bounds = Counter(r["bound"][0] for r in rows if r["bound"])
+    bounds = Counter(stage for _, stage in {(r["worker"], r["bound"][0]) for r in rows if r["bound"]})  # workers
     table.add_row("total", Text(f"{done}/{len(rows)} done"), _records_cell(sum(r["records"] for r in rows), total),
                   human_count(sum(r["samples"] for r in rows)), human_count(tokens),
                   str(sum(r["shards"] for r in rows)), human_bytes(stored), _per_token(stored, tokens),
