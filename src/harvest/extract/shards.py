@@ -109,14 +109,15 @@ class ShardWriter:
                 block = block.astype(self.dtype)
             self.pieces[name].append(block)
         for name in self.widths:
-            mean, m2, *first = moments[name] if moments else (None, None)
-            if self.quantize and not first:  # beyond the device's slots: from the dequantized codes
+            mean, m2, *device_first = moments[name] if moments else (None, None)
+            first = device_first[0][None] if device_first else self.pieces[name][-1][:1]
+            if self.quantize and not device_first:  # beyond the device's slots: from the dequantized codes
                 codes, scales = values[name], values[quant.scale_name(name)]
                 if mean is None:
                     own = RunningStats.of(quant.dequantize(codes, scales))
                     mean, m2 = own.mean, own.m2
-                first = list(quant.dequantize(codes[:1], scales[:1]))
-            self.firsts[name].append(first[0][None] if first else self.pieces[name][-1][:1])
+                first = quant.dequantize(codes[:1], scales[:1])
+            self.firsts[name].append(first)
             means, m2s = self.moments[name]
             means.append(mean)
             m2s.append(m2)
