@@ -42,6 +42,7 @@ import storage_servers as servers  # noqa: E402
 from table import show  # noqa: E402
 
 from harvest.storage import Storage  # noqa: E402
+from harvest.storage.s3 import S3Backend  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +53,8 @@ def parse_args() -> argparse.Namespace:
                    help="objects written at once (default: the Storage's writes_in_flight)")
     p.add_argument("--repeats", type=int, default=2, help="best of this many passes (default 2)")
     p.add_argument("--tensors", type=int, default=4, help="tensors (parts after the header) per object (default 4)")
-    p.add_argument("--targets", default="local,gs,gs-raw,s3,s3-raw", help="which rows (default all)")
+    p.add_argument("--targets", default="local,gs,gs-raw,s3,s3-put,s3-raw",
+                   help="which rows (default all; s3-put: S3 with multipart off, every object one PUT)")
     p.add_argument("--dir", default=None, help="local directory for the disk baseline (default: a temp dir)")
     return p.parse_args()
 
@@ -155,7 +157,9 @@ def measure(args, sizes: list[int], targets: list[str], tmp: Path, gcs, s3) -> l
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     servers.create_gcs_bucket(gcs, bucket)
     servers.create_s3_bucket(s3, bucket)
-    stores = {"local": Storage(str(tmp / "out")), "gs": Storage(f"gs://{bucket}/run"), "s3": Storage(f"s3://{bucket}/run")}
+    stores = {"local": Storage(str(tmp / "out")), "gs": Storage(f"gs://{bucket}/run"),
+              "s3": Storage(f"s3://{bucket}/run"), "s3-put": Storage(f"s3://{bucket}/run", backend=S3Backend())}
+    stores["s3-put"].backend.part_size = 5 * 2**30  # S3's largest part: below two of them, one PUT
     raw = {"gs-raw": RawPut(gcs.endpoint, lambda k: ("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&"
                                                             f"name=run/{k}")),
            "s3-raw": RawPut(s3.endpoint, lambda k: ("PUT", f"/{bucket}/run/{k}"))}
@@ -182,8 +186,8 @@ def measure(args, sizes: list[int], targets: list[str], tmp: Path, gcs, s3) -> l
             target = row[0]
             if "local" in targets:
                 row[4] = f"{best[target, size] / best['local', size]:.2f}"
-            floor = f"{target.removesuffix('-raw')}-raw"
-            if floor in targets and target in ("gs", "s3"):
+            floor = f"{target.split('-')[0]}-raw"
+            if floor in targets and target != floor and target != "local":
                 row[5] = f"{best[target, size] / best[floor, size]:.2f}"
     return rows
 
