@@ -19,7 +19,7 @@ from harvest.storage.objects import ObjectBackend, joined
 
 class S3Backend(ObjectBackend):
     token_key = "ETag"
-    part_size = 32 * 2**20  # S3 takes 5 MiB to 5 GiB a part, 10,000 parts: 32 MiB parts reach 320 GB
+    part_size = 32 * 2**20  # S3 takes 5 MiB to 5 GiB a part, 10,000 parts: 32 MiB parts reach 335 GB
     parts_in_flight = 8  # one object's parts uploaded at once
 
     def filesystem(self) -> Any:
