@@ -238,7 +238,8 @@ class FlakyProxy:
     """A TCP proxy on 127.0.0.1 in front of `target` that can be told to fail.
 
     `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
-    connection refused) for `seconds`, then serves again on the same port. `cut()` resets open
+    connection refused) for `seconds`, then serves again on the same port; `outage_after(nbytes, seconds)`
+    does so once `nbytes` more went up. `cut()` resets open
     connections only. `lose_replies(seconds)` lets requests through and drops their replies.
     `connections` counts the connections proxied, `outages` the outages started,
     `bytes_up` the bytes passed on to the server, `bytes_down` (exact) those passed back to the client.
@@ -255,6 +256,7 @@ class FlakyProxy:
         self.bytes_up = 0
         self.bytes_down = 0
         self._replies_lost_until = 0.0
+        self._outage_at: tuple[int, float] | None = None  # (bytes_up, seconds): see outage_after
         self._listener: socket.socket | None = self._listen(0)
         self.port = self._listener.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"flaky-proxy-{self.port}")
@@ -331,6 +333,10 @@ class FlakyProxy:
                 dst.sendall(data)
                 if up:
                     self.bytes_up += len(data)  # approximate under threads; for tests to wait on
+                    trigger = self._outage_at
+                    if trigger is not None and self.bytes_up >= trigger[0]:
+                        self._outage_at = None
+                        self.outage(trigger[1])
                 else:
                     with self._lock:
                         self.bytes_down += len(data)
@@ -367,6 +373,11 @@ class FlakyProxy:
                 listener.close()
         self.cut()
         self._timer.start()
+
+    def outage_after(self, nbytes: int, seconds: float) -> None:
+        """An outage of `seconds` (see `outage`) once `nbytes` more have gone up to the server: a failure
+        midway through an upload, placed by bytes rather than by time."""
+        self._outage_at = (self.bytes_up + nbytes, seconds)
 
     @property
     def down(self) -> bool:

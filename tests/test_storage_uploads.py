@@ -5,7 +5,6 @@ a listing (or `harvest verify`, which lists the same way) sees."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -50,19 +49,6 @@ def flaky(request):
     return request.getfixturevalue(f"{kind}_proxy_url"), request.getfixturevalue(f"{kind}_proxy")
 
 
-def outage_midway(proxy, after: int, seconds: float) -> threading.Thread:
-    """Once `after` bytes went up through `proxy`, an outage of `seconds` (open connections reset, new ones
-    refused)."""
-    def run() -> None:
-        start = proxy.bytes_up
-        while proxy.bytes_up < start + after:
-            time.sleep(0.001)
-        proxy.outage(seconds)
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.parametrize("url_fixture", ["gcs_url", "s3_url"])
 def test_a_large_shard_reads_back_byte_identical_and_its_sidecar_is_created_once(url_fixture, request):
     st = storage(request.getfixturevalue(url_fixture))
@@ -89,10 +75,9 @@ def test_a_refused_multipart_upload_is_aborted_and_leaves_no_object(s3_url):
 def test_an_upload_cut_off_midway_leaves_nothing_listed(flaky):
     url, proxy = flaky
     st = storage(url, attempts=1)
-    outage = outage_midway(proxy, 2 * PART, 1.0)
+    proxy.outage_after(2 * PART, 0.5)
     with pytest.raises(StorageError, match="cannot write"):
         st.write_bytes(DATA, shard_parts(6 * PART))
-    outage.join()
     while proxy.down:
         time.sleep(0.05)
     assert not st.exists(DATA) and st.listdir("stream_00000") == []
@@ -102,9 +87,8 @@ def test_an_upload_retried_through_an_outage_lands_whole_and_alone(flaky):
     url, proxy = flaky
     st = storage(url)
     parts = shard_parts(6 * PART + 7)
-    outage = outage_midway(proxy, 2 * PART, 0.5)
+    proxy.outage_after(2 * PART, 0.5)
     st.write_bytes(DATA, parts)
-    outage.join()
     assert proxy.outages == 1
     assert st.read_bytes(DATA) == joined(parts)
     assert st.listdir("stream_00000") == [DATA.split("/")[1]]
