@@ -155,8 +155,6 @@ def test_the_summary_names_the_bound_and_the_bytes_per_token_stored(extracted):
     assert summary["bound"] == f"bound: host (chip 25%, host 75%, storage 0%, feeder 0% of 4.0 s): {ADVICE['host']}"
 
 
-@pytest.mark.xfail(strict=True, reason="needs the pipeline's wait hooks (harvest.extract.pipeline) and the CLI's "
-                                       "summary line: issue 37, helper D's report; remove this mark once wired")
 def test_a_real_run_names_its_bound_in_the_summary_and_in_status(extracted):
     out, env, stdout = extracted
     found = re.search(r"^bound: (chip|host|storage|feeder) \(chip \d+%, host \d+%, storage \d+%, feeder \d+% of "

@@ -94,11 +94,13 @@ def _print_summary(summary: dict) -> None:
 
     print(f"wrote {summary['out']}: {summary['samples']} samples, {summary['tokens']} tokens in "
           f"{summary['streams']} streams; this run {summary['tokens_this_run']} tokens in {summary['seconds']}s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s, {human_bytes(summary['bytes_per_s'])}/s stored, "
+          f"({summary['tokens_per_s']:,.0f} tokens/s, {human_bytes(summary['bytes_per_s'])}/s stored at "
+          f"{summary['bytes_per_token']:,.0f} B/token, "
           f"packing efficiency {summary['packing_efficiency']:.1%}, "
           f"{summary['shards_written']} shards)")
     print(f"devices: {summary['devices']}")
     print(summary["startup"])
+    print(summary["bound"])
     print(f"long samples: {summary['truncated']} truncated, {summary['chunked']} chunked, "
           f"{summary['skipped_long']} skipped; bad inputs skipped: {summary['skipped'] - summary['skipped_long']}")
     for reason, count in summary["skip_reasons"].items():

@@ -49,8 +49,8 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
     the whole batch where it is one slot)."""
     shape = (data_slots(decoder.mesh) * batch_size, seq_len)
     idle = Batch(np.zeros(shape, np.int32), np.zeros(shape, np.int32), [None] * shape[0])
-    batches: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    captured: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    batches = progress.waits.queue("feeder", QUEUE_DEPTH)  # its gets: the forward loop waiting on the feeder
+    captured = progress.waits.queue("chip", QUEUE_DEPTH)  # its gets: the host waiting on the forward
     halt = threading.Event()
     startup = startup or Startup()
     rows_start = since_start()
@@ -67,7 +67,8 @@ def run_pipeline(decoder: Decoder, todo: dict[int, list[int]], stream_rows, batc
         put(captured, None, failure, deadline=deadline)
         host.join(failure, deadline)
         feeder.join(failure, deadline)
-        committer.close(deadline)
+        with progress.waits.on("storage"):
+            committer.close(deadline)
     except BaseException as error:
         _abandon(error, failure, halt, committer,
                  wait_s=ABORT_WAIT_S if deadline is None else max(0.5, deadline - time.monotonic()))
@@ -220,6 +221,8 @@ def to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Commi
     names = [(p, j, fmt.tensor_name(p, layer)) for p, layers in decoder.plan.points for j, layer in enumerate(layers)]
     while (item := captured.get()) is not None:
         batch, captures, moments = item
+        with progress.waits.on("chip"):
+            jax.block_until_ready((captures, moments))  # the forward's values: until then the host waits on the chip
         blocks = jax.tree.map(host_blocks, (captures, moments))
         # A quantizing decoder's scales [layers, batch, seq] go beside their codes, under the tensor's scale name.
         taken = names + [(quant.scale_name(p), j, quant.scale_name(name)) for p, j, name in names
@@ -231,7 +234,8 @@ def to_shards(captured: queue.Queue, decoder: Decoder, writers, committer: Commi
             values = {name: row_of(blocks[0][p], r)[j, : row.used] for p, j, name in taken}
             own = {name: tuple(row_of(m, r)[j] for m in blocks[1][p]) for p, j, name in names} if moments else None
             for shard in writers[stream].add_row(row, values, own):
-                committer.submit(shard)
+                with progress.waits.on("storage"):
+                    committer.submit(shard)  # blocks while storage is behind
             progress.rows_done(stream, row)
 
 
