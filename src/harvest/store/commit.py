@@ -271,26 +271,26 @@ class Committer:
     runs after each commit (on the committing thread): progress bookkeeping. `on_lost(stream, error)` runs
     when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
     (encoding.CHECKSUMS; default encoding.default_checksum()). `generation(stream)` names the generation a
-    stream's shards are committed in (`Leases.generation`; "" where none was started).
+    stream's shards are committed in (`Leases.generation`; "" where none was started). `write_threads`: data
+    objects written at once (default: one per core, at least 2; a bucket may take more in flight than a disk).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
                  guard: Callable[[int], None] | None = None, generation: Callable[[int], str] | None = None,
                  on_lost: Callable[[int, UserError], None] | None = None, threads: int = 4, depth: int = 2,
-                 checksum: str | None = None):
+                 checksum: str | None = None, write_threads: int | None = None):
         self.storage = storage
         self.attempt = attempt
         self.checksum = checksum or encoding.default_checksum()
-        # A shard's stats and checksums (per tensor: one pass over its bytes, the file's digest derived from
-        # them) run here, beside its data write: one stream's shards use every core this process may run on
-        # (its affinity, as a container or taskset limits it), not one (numpy, hashlib and xxhash let go of
-        # the GIL).
+        # A shard's stats and checksums (per tensor: one pass over its bytes, the file's digest derived) run
+        # here, beside its data write: one stream's shards use every core this process may run on (its
+        # affinity, as a container or taskset limits it), not one (numpy, hashlib and xxhash let go of the GIL).
         self._work = concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)),
                                                            thread_name_prefix="commit-work")
-        # Data objects are written as soon as their shard closes, several at a time (each has its own name),
-        # and committed in order by the stream's thread: one stream's writes and fsyncs overlap.
-        self._writes = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(os.sched_getaffinity(0))),
-                                                             thread_name_prefix="commit-write")
+        # Data objects are written as soon as their shard closes, `write_threads` at a time (each has its own
+        # name), and committed in order by the stream's thread: one stream's writes and fsyncs overlap.
+        self._writes = concurrent.futures.ThreadPoolExecutor(
+            max_workers=write_threads or max(2, len(os.sched_getaffinity(0))), thread_name_prefix="commit-write")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
         self.generation = generation or (lambda stream: "")
