@@ -23,10 +23,7 @@ from urllib.parse import quote
 from harvest.storage.backend import Buffer
 from harvest.storage.errors import PreconditionFailed
 from harvest.storage.filesystems import gcs_filesystem
-from harvest.storage.objects import ObjectBackend, byte_views
-
-STREAM_CHUNK = 2**20  # bytes handed to the socket at a time: the event loop copies only what the socket refuses
-
+from harvest.storage.objects import ObjectBackend, PartsBody
 
 class GCSBackend(ObjectBackend):
     token_key = "generation"
@@ -36,14 +33,13 @@ class GCSBackend(ObjectBackend):
 
     def write(self, path: str, parts: list[Buffer]) -> None:
         fs = self.fs
-        views = byte_views(parts)
-        size = sum(v.nbytes for v in views)
-        if not size:
+        body = PartsBody(parts)
+        if not len(body):
             fs.pipe_file(path, b"")
             return
         bucket, key, _ = fs.split_path(path)
-        fs.call("POST", _upload_url(fs, bucket), data=streamed(views), json_out=True, uploadType="media", name=key,
-                headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        fs.call("POST", _upload_url(fs, bucket), data=body, json_out=True, uploadType="media", name=key,
+                headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(body))})
 
     def create(self, path: str, data: bytes) -> None:
         try:
@@ -78,15 +74,6 @@ def multipart_related(metadata: dict, data: bytes) -> tuple[bytes, str]:
     head = (f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n{json.dumps(metadata)}\r\n"
             f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
     return head + data + f"\r\n--{boundary}--\r\n".encode(), f"multipart/related; boundary={boundary}"
-
-
-async def streamed(views: list[memoryview]):
-    """The parts as a request body, STREAM_CHUNK at a time (with an explicit Content-Length, aiohttp sends it
-    as is, no chunked encoding): a slice of a memoryview is no copy, and the loop waits for the socket
-    between chunks rather than buffering the whole object."""
-    for view in views:
-        for at in range(0, view.nbytes, STREAM_CHUNK):
-            yield view[at:at + STREAM_CHUNK]
 
 
 def _upload_url(fs: Any, bucket: str) -> str:

@@ -110,14 +110,55 @@ class ObjectBackend(Backend):
         fs.invalidate_cache()
 
 
-def byte_views(parts: list[Buffer]) -> list[memoryview]:
-    """The parts as flat byte views (no copy): what a streamed request body is cut from."""
-    return [memoryview(p).cast("B") for p in parts]
+class PartsBody:
+    """A request body read straight from the caller's parts, never joined nor copied: aiohttp streams it (async
+    iteration, CHUNK bytes at a time, the request giving its Content-Length), botocore reads it once for its
+    checksum (read, seek, tell, len). aiohttp's own payloads for one buffer copy it once or twice on the way to
+    the socket (a BytesIO unshared, a transport buffer), which was most of the client's cost per byte."""
 
+    CHUNK = 2**20  # bytes handed to the socket at a time: the event loop copies only what the socket refuses
 
-def joined(parts: list[Buffer]) -> bytes:
-    """The parts as one bytes object for one request (no copy when that is what was given)."""
-    return parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+    def __init__(self, parts: list[Buffer], start: int = 0, end: int | None = None):
+        """Bytes [start, end) of the parts laid end to end (all of them by default)."""
+        self._views: list[memoryview] = []
+        at = 0
+        for view in (memoryview(p).cast("B") for p in parts):
+            lo, hi = max(start, at), view.nbytes + at if end is None else min(end, at + view.nbytes)
+            if lo < hi:
+                self._views.append(view[lo - at:hi - at])
+            at += view.nbytes
+        self._size = sum(v.nbytes for v in self._views)
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = min(max(0, (0, self._pos, self._size)[whence] + offset), self._size)
+        return self._pos
+
+    def read(self, n: int = -1) -> memoryview | bytes:
+        """Up to `n` bytes from the position (fewer at the end of a part), as a view: b'' at the end."""
+        at = 0
+        for view in self._views:
+            if self._pos < at + view.nbytes:
+                lo = self._pos - at
+                hi = view.nbytes if n is None or n < 0 else min(view.nbytes, lo + n)
+                self._pos += hi - lo
+                return view[lo:hi]
+            at += view.nbytes
+        return b""
+
+    def __aiter__(self):
+        return self._chunks()
+
+    async def _chunks(self):
+        self.seek(0)
+        while chunk := self.read(self.CHUNK):
+            yield chunk
 
 
 class _FileUpload(Upload):

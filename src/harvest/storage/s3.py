@@ -2,19 +2,24 @@
 and `If-Match: <ETag>` (compare-and-swap).
 
 A plain write of at least two parts' worth (`part_size`) is a multipart upload with `parts_in_flight` parts
-uploaded at once (s3fs's own): one connection to S3 carries far less than a VM's NIC. The object appears
-whole at CompleteMultipartUpload, or not at all: on any failure s3fs aborts the upload (its parts are never
-listed as objects; a bucket lifecycle rule with AbortIncompleteMultipartUpload clears what a killed process
-left), and Storage's retry starts a fresh one. Smaller writes are one PUT."""
+uploaded at once: one connection to S3 carries far less than a VM's NIC. The object appears whole at
+CompleteMultipartUpload, or not at all: on any failure the upload is aborted (its parts are never listed as
+objects; a bucket lifecycle rule with AbortIncompleteMultipartUpload clears what a killed process left), and
+Storage's retry starts a fresh one. Smaller writes are one PUT. Bodies are read from the caller's parts
+(objects.PartsBody), never joined."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any
+
+from fsspec.asyn import sync
 
 from harvest.storage.backend import Buffer
 from harvest.storage.errors import PreconditionFailed
 from harvest.storage.filesystems import s3_filesystem
-from harvest.storage.objects import ObjectBackend, joined
+from harvest.storage.objects import ObjectBackend, PartsBody
 
 
 class S3Backend(ObjectBackend):
@@ -26,7 +31,38 @@ class S3Backend(ObjectBackend):
         return s3_filesystem()
 
     def write(self, path: str, parts: list[Buffer]) -> None:
-        self.fs.pipe_file(path, joined(parts), chunksize=self.part_size, max_concurrency=self.parts_in_flight)
+        fs = self.fs
+        bucket, key, _ = fs.split_path(path)
+        size = len(PartsBody(parts))
+        if size < 2 * self.part_size:
+            fs.call_s3("put_object", Bucket=bucket, Key=key, Body=PartsBody(parts))
+        else:
+            sync(fs.loop, self._multipart, fs, bucket, key, parts, size)
+
+    async def _multipart(self, fs: Any, bucket: str, key: str, parts: list[Buffer], size: int) -> None:
+        """One multipart upload, `parts_in_flight` parts at a time, aborted (and its parts still in flight
+        cancelled) on any failure."""
+        upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+        slots = asyncio.Semaphore(self.parts_in_flight)
+
+        async def put(number: int, start: int) -> dict:
+            async with slots:
+                body = PartsBody(parts, start, min(size, start + self.part_size))
+                out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number,
+                                        Body=body)
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        tasks = [asyncio.ensure_future(put(i + 1, start)) for i, start in enumerate(range(0, size, self.part_size))]
+        try:
+            done = await asyncio.gather(*tasks)
+            await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                              MultipartUpload={"Parts": done})
+        except Exception:
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            raise
 
     def create(self, path: str, data: bytes) -> None:
         try:
