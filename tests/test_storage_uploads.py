@@ -63,6 +63,19 @@ def test_a_large_shard_reads_back_byte_identical_and_its_sidecar_is_created_once
     assert st.read_bytes(SIDECAR) == b'{"writer": 1}'
 
 
+@pytest.mark.parametrize("url_fixture", ["gcs_url", "s3_url"])
+def test_a_shard_of_many_parts_reads_back_byte_identical(url_fixture, request):
+    """An 8-bit shard comes in about a thousand parts, some empty, some a few bytes (scales): S3's parts cut
+    across them."""
+    st = storage(request.getfixturevalue(url_fixture))
+    rng = np.random.default_rng(1)
+    sizes = rng.choice([0, 3, 4096, 60_000], size=1000, p=[0.1, 0.3, 0.3, 0.3])
+    parts = [b"\x10\x00header", *(rng.integers(0, 256, n, dtype=np.uint8) for n in sizes)]
+    assert sum(len(p) for p in parts) > 2 * PART
+    st.write_bytes(DATA, parts)
+    assert st.read_bytes(DATA) == joined(parts)
+
+
 def test_a_refused_multipart_upload_is_aborted_and_leaves_no_object(s3_url):
     """Parts below S3's 5 MiB minimum: the server refuses the completion, the upload is aborted."""
     st = storage(s3_url, part_size=2**20)

@@ -129,6 +129,7 @@ class PartsBody:
             at += view.nbytes
         self._size = sum(v.nbytes for v in self._views)
         self._pos = 0
+        self.seek(0)
 
     def __len__(self) -> int:
         return self._size
@@ -138,19 +139,24 @@ class PartsBody:
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self._pos = min(max(0, (0, self._pos, self._size)[whence] + offset), self._size)
+        self._index, self._at = 0, 0  # the view the position falls in, and where that view starts
+        while self._index < len(self._views) and self._at + self._views[self._index].nbytes <= self._pos:
+            self._at += self._views[self._index].nbytes
+            self._index += 1
         return self._pos
 
     def read(self, n: int = -1) -> memoryview | bytes:
-        """Up to `n` bytes from the position (fewer at the end of a part), as a view: b'' at the end."""
-        at = 0
-        for view in self._views:
-            if self._pos < at + view.nbytes:
-                lo = self._pos - at
-                hi = view.nbytes if n is None or n < 0 else min(view.nbytes, lo + n)
-                self._pos += hi - lo
-                return view[lo:hi]
-            at += view.nbytes
-        return b""
+        """Up to `n` bytes from the position (fewer at the end of a part), as a view: b'' at the end. A shard
+        may come in a thousand parts: each read starts where the last one ended, no scan from the first."""
+        if self._index >= len(self._views):
+            return b""
+        view = self._views[self._index]
+        lo = self._pos - self._at
+        hi = view.nbytes if n is None or n < 0 else min(view.nbytes, lo + n)
+        self._pos += hi - lo
+        if hi == view.nbytes:
+            self._index, self._at = self._index + 1, self._at + view.nbytes
+        return view[lo:hi]
 
     def __aiter__(self):
         return self._chunks()
