@@ -6,15 +6,19 @@ Committer runs them), to:
 
 - local disk: Storage on a temp directory (temp file, fsync, rename): the baseline;
 - fake-gcs-server (Go, in memory) and moto's S3 server (Python), both on 127.0.0.1 (tests/storage_servers.py
-  starts them, as the tests do);
+  starts them, as the tests do); `s3-put` is S3 with multipart off, every object one PUT (moto copies a
+  multipart object's parts together: that row tells its cost from the client's);
 - the same servers through raw HTTP (`http.client`, one connection per thread, one request per object: a GCS
   media upload, an S3 PUT): what the server alone absorbs, with no client library around the bytes.
 
 The table gives GB/s per target and size, the bucket path's ratio to local disk (the issue's target: >= 0.8)
-and to its server's raw floor (the client's own cost, with the emulator's taken out). On one machine client,
-server and disk share the cores: read the ratios, not the absolute numbers.
+and to its server's raw floor (the client's own cost, with the emulator's taken out), this process's CPU
+seconds per GB (the client's cost, which carries over to a real VM), and how busy fsspec's one event-loop
+thread was (every gcsfs/s3fs request of a process runs on it: its ceiling). On one machine client, server and
+disk share the cores: read the ratios, not the absolute numbers.
 
-Run:  .venv/bin/python bench/bucket.py                 (~1-2 minutes on 2 CPU cores)
+Run:  .venv/bin/python bench/bucket.py                 (~2-4 minutes on 2 CPU cores)
+      .venv/bin/python bench/bucket.py --tensors 1100  (an 8-bit shard's ~1,100 parts)
       .venv/bin/python bench/bucket.py --sizes 64MB --objects 4 --repeats 1
 """
 
