@@ -249,10 +249,11 @@ def main() -> None:
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "150")
     show("harvest host side (no model)", ["what", "amount", "seconds", "GB/s", "per core", "vs floor"], rows, footer)
-    show("host stage by storage dtype (the same tokens)", ["what", "bytes/token", "seconds", "GB/s", "tokens/s",
-                                                           "per core", "vs bf16", "vs floor"], dtypes,
-         f"tokens/s through the host stage ({encoding.default_checksum()}) of the same rows, bf16 values against "
-         f"8-bit codes with a float32 scale per token as the device hands them; 'vs floor': GB/s over the "
+    show("host stage by storage dtype", ["what", "bytes/token", "seconds", "GB/s", "tokens/s", "per core", "vs bf16",
+                                         "vs floor"], dtypes,
+         f"tokens/s through the host stage ({encoding.default_checksum()}), bf16 values against 8-bit codes with a "
+         f"float32 scale per token as the device hands them, of the same values, about the same bytes (8-bit: ~2x "
+         f"the rows, as many shards, so the last shard's write on one thread weighs alike); 'vs floor': GB/s over the "
          f"{encoding.default_checksum()} floor above (per byte). Best of {args.repeats} rounds. {machine}.")
 
 

@@ -73,27 +73,35 @@ class Workload:
                                quantize=self.code)}
 
 
-def synthetic_rows(args) -> list:
+def synthetic_rows(args, batches: int) -> list:
     """One whole stream of lognormal-length pieces (median 300 tokens) packed as the job packs them, about
-    --batches x --batch-size rows, ending with its StreamEnd (so its shards form a complete commit chain)."""
+    `batches` x --batch-size rows, ending with its StreamEnd (so its shards form a complete commit chain)."""
     rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 4 * args.batches * args.batch_size * args.seq // 300),
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 4 * batches * args.batch_size * args.seq // 300),
                       50, args.seq).astype(int)
-    lengths = lengths[: np.searchsorted(np.cumsum(lengths), 0.97 * args.batches * args.batch_size * args.seq)]
+    lengths = lengths[: np.searchsorted(np.cumsum(lengths), 0.97 * batches * args.batch_size * args.seq)]
     events = [Piece((i, 0), i, np.full(n, i % 1000, np.int32)) for i, n in enumerate(lengths)]
     return list(pack_stream([*events, StreamEnd(len(events))], args.seq))
 
 
+def per_token(args, dtype: str) -> int:
+    """Capture bytes a token stores: its codes and scales where quantized."""
+    code = quant.is_quantized(dtype)
+    return args.layers * (args.width * np.dtype(fmt.STORED_DTYPES[dtype]).itemsize + (4 if code else 0))
+
+
 def workloads(args, dtypes) -> dict[str, Workload]:
-    """Each dtype's batches of the same rows and values: the stream's rows as the job's batches (the last padded
-    with empty rows), each with its own moments (the device's share of the stats, done here)."""
-    rows = synthetic_rows(args)
+    """Each dtype's batches of the same values, about --batches of bf16's bytes (an 8-bit one ~2x the rows, so
+    that each writes as many shards: the last shard's write, on one thread, weighs the same): the stream's rows
+    as the job's batches (the last padded with empty rows), each with its own moments (the device's share of
+    the stats, done here)."""
     values = jnp.asarray(np.random.default_rng(1).normal(
         size=(args.layers, args.batch_size, args.seq, args.width)).astype(np.float32))
-    tokens = sum(r.used for r in rows)
     widths = {fmt.tensor_name("resid_post", layer): args.width for layer in range(args.layers)}
     out = {}
     for dtype in dtypes:
+        rows = synthetic_rows(args, round(args.batches * per_token(args, "bfloat16") / per_token(args, dtype)))
+        tokens = sum(r.used for r in rows)
         code = dtype if quant.is_quantized(dtype) else None
         step = jax.jit(functools.partial(handed, moment_slots=args.slots, quantize=code))
         source = {"resid_post": values if code else values.astype(fmt.DTYPES[dtype])}
@@ -108,8 +116,7 @@ def workloads(args, dtypes) -> dict[str, Workload]:
             made, moments = jax.block_until_ready(step(source, segments))
             captures = captures or made  # one device array of captures, as before: their values do not matter
             batches.append((batch, captures, moments))
-        per_token = args.layers * (args.width * np.dtype(fmt.STORED_DTYPES[dtype]).itemsize + (4 if code else 0))
-        out[dtype] = Workload(dtype, batches, widths, tokens, tokens * per_token)
+        out[dtype] = Workload(dtype, batches, widths, tokens, tokens * per_token(args, dtype))
     return out
 
 
