@@ -91,7 +91,7 @@ def host(args, directory: Path) -> tuple[list, list, str, str]:
     works = host_stage.workloads(args, args.dtypes)
     cores = len(os.sched_getaffinity(0))
     for work in works.values():  # first touches, imports, thread pools, each writer's first shard
-        host_stage.whole_stage(args, dataclasses.replace(work, batches=work.batches[:2]), directory / "warm")
+        host_stage.whole_stage(args, dataclasses.replace(work, batches=work.batches[:2]), directory / f"warm-{work.dtype}")
     bf16, default = works["bfloat16"], encoding.default_checksum()
     collect = host_stage.Collect()
     t = time.perf_counter()
