@@ -59,9 +59,11 @@ _LOCAL_SCHEMES = ("", "file", "local")
 _OBJECT_SCHEMES = {"gs": "gs", "gcs": "gs", "s3": "s3", "s3a": "s3"}
 
 
-def json_bytes(obj: Any) -> bytes:
-    """How harvest writes JSON: sorted keys, one key a line, UTF-8, a final newline."""
-    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode("utf-8")
+def json_bytes(obj: Any, compact: bool = False) -> bytes:
+    """How harvest writes JSON: sorted keys, one key a line (`compact`: all on one line, by json's C encoder, for
+    records of thousands of numbers), UTF-8, a final newline."""
+    layout = {"separators": (",", ":")} if compact else {"indent": 1}
+    return (json.dumps(obj, sort_keys=True, ensure_ascii=False, **layout) + "\n").encode("utf-8")
 
 
 class Storage:
