@@ -56,13 +56,13 @@ class RunWriter:
                                      np.arange(first, first + len(lengths)) * self.streams + stream,
                                      np.zeros(len(lengths), np.int32), {"stream": str(stream), "shard": str(k)})
         data = b"".join(parts)
+        chunked = self.chunk_bytes is not None and self.tensor_sha256  # else each tensor's plain digest, as before
         manifest = Sidecar.of_shard(data, stream=stream, shard=k, start=(first, 0), next=(first + len(lengths), 0),
                                     row_start=(first, 0), samples=len(lengths), tokens=n,
                                     stats={name: RunningStats.of(a) for name, a in acts.items()}, skipped=[],
                                     long={}, final=final, records=first + len(lengths),
-                                    chunk_bytes=self.chunk_bytes)
-        if self.chunk_bytes is None or not self.tensor_sha256:
-            manifest = dataclasses.replace(manifest, chunk_bytes=None, chunk_digests=None)
+                                    **({"chunk_bytes": self.chunk_bytes} if chunked else {"digests": encoding.shard_digests(
+                                        encoding.file_parts(data), encoding.default_checksum())}))
         if not self.tensor_sha256:
             manifest = dataclasses.replace(manifest, checksum=None, digest=encoding.digest(data, "sha256"),
                                            tensor_digests=None)

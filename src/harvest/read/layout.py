@@ -78,7 +78,7 @@ def small_tensor(storage: Storage, rel: str, span: TensorSpan, sidecar: Sidecar,
     """A small tensor (offsets, sample ids, variants) read whole, checked against its digest in the sidecar
     when `check` and the sidecar has one (an older one may hold the whole file's only)."""
     data = fetch(storage, rel, span.start, span.end)
-    if check and sidecar.tensor_digests is not None and encoding.digest(data, sidecar.algorithm) != (
+    if check and sidecar.tensor_digests is not None and sidecar.tensor_digest(data) != (
             want := _wanted(sidecar, name)):
         raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
                          f"({want[:12]}...)")
@@ -158,7 +158,7 @@ def verify_fetched(cols: dict[str, np.ndarray], sidecar: Sidecar) -> int:
     for name, arr in cols.items():
         want = _wanted(sidecar, name)
         data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)  # bf16 has no buffer format: hash its bytes
-        if encoding.digest(data, sidecar.algorithm) != want:
+        if sidecar.tensor_digest(data) != want:
             raise ValueError(f"the bytes of tensor {name!r} do not match their {sidecar.algorithm} in the sidecar "
                              f"({want[:12]}...)")
         hashed += data.nbytes

@@ -2,13 +2,14 @@
 from its buffers), decoded, its header's harvest fields read, and its checksums taken in one pass.
 
 Checksums, in the sidecar: `checksum` names the algorithm (xxh3_128 by default, ~20x faster than sha256, so
-writing the bytes costs one write and no more; or sha256), `tensor_digests` each tensor's bytes (a ranged read
-checks what it fetched), `digest` the file's: the digest of the header's digest followed by each tensor's in
-file order, so one pass over the bytes gives them all (`shard_digests`); and `chunk_digests` each CHUNK_BYTES
-of each tensor's bytes (the last chunk shorter), taken in the same pass (`shard_checksums`), so that a reader
-of any rows of a tensor checks exactly the chunks it fetched. Sidecars written before `checksum` existed hold
-the whole file's sha256 (`sha256`) and each tensor's (`tensor_sha256`), and those written before chunk
-digests none: they read, verify and resume as before (harvest.store.records.Sidecar).
+writing the bytes costs one write and no more; or sha256), `chunk_digests` each CHUNK_BYTES of each
+tensor's bytes (the last chunk shorter), so that a reader of any rows of a tensor checks exactly the chunks it
+fetched; `tensor_digests` each tensor's, the digest of its chunks' digests one after another (`of_chunks`);
+`digest` the file's: the digest of the header's digest followed by each tensor's in file order. So every byte
+is hashed once, and one pass gives them all (`shard_checksums`). Sidecars written before chunk digests hold
+each tensor's plain digest (`shard_digests`), and those written before `checksum` existed the whole file's
+sha256 (`sha256`) and each tensor's (`tensor_sha256`): they read, verify and resume as before
+(harvest.store.records.Sidecar).
 """
 
 from __future__ import annotations
@@ -216,15 +217,14 @@ CHUNK_BYTES = 2**20  # a tensor's bytes are checksummed per chunk of this size t
 
 
 def tensor_checksums(blocks: list, checksum: str, chunk_bytes: int) -> tuple[str, list[str]]:
-    """A tensor's digest and its chunks' (each `chunk_bytes` of its bytes, the last one shorter) in one pass over
-    its blocks: each chunk is hashed into both while it is in the cache."""
-    whole, chunk, filled, chunks = hasher(checksum), hasher(checksum), 0, []
+    """A tensor's digest and its chunks' (each `chunk_bytes` of its bytes, the last one shorter), hashing each
+    byte once: the tensor's is derived from its chunks' (`of_chunks`)."""
+    chunk, filled, chunks = hasher(checksum), 0, []
     for block in blocks:
         view = memoryview(block).cast("B")
         at = 0
         while at < len(view):
             part = view[at:at + chunk_bytes - filled]
-            whole.update(part)
             chunk.update(part)
             at, filled = at + len(part), filled + len(part)
             if filled == chunk_bytes:
@@ -232,7 +232,24 @@ def tensor_checksums(blocks: list, checksum: str, chunk_bytes: int) -> tuple[str
                 chunk, filled = hasher(checksum), 0
     if filled:
         chunks.append(chunk.hexdigest())
-    return whole.hexdigest(), chunks
+    return of_chunks(chunks, checksum), chunks
+
+
+def of_chunks(chunks: list[str], checksum: str) -> str:
+    """A tensor's digest from its chunks' (in a sidecar that has chunk digests): the digest of their bytes one
+    after another, as the file's is of its tensors'. A tensor without bytes has no chunk: the empty digest."""
+    h = hasher(checksum)
+    for d in chunks:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
+def tensor_digest(data, checksum: str, chunk_bytes: int | None) -> str:
+    """A tensor's digest from its bytes, by the rule of its sidecar: of its chunks' digests where the sidecar has
+    chunk digests of `chunk_bytes`, else (an older sidecar; None) the plain digest of the bytes."""
+    if chunk_bytes is None:
+        return digest(data, checksum)
+    return of_chunks(chunk_digests(data, checksum, chunk_bytes), checksum)
 
 
 def chunk_digests(data, checksum: str, chunk_bytes: int) -> list[str]:

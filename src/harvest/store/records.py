@@ -171,8 +171,8 @@ class Sidecar(Record):
     `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
     through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
     `file`, `bytes`, `digest`: the data object this sidecar commits (its name carries the writing attempt's
-    id) and its checksum; `tensor_digests`: each tensor's bytes in it, so a ranged read verifies what it
-    fetched. `checksum` names the algorithm (encoding.CHECKSUMS) and `digest` is the digest of the header's
+    id) and its checksum; `tensor_digests`: each tensor's (the digest of its chunk digests where the sidecar has
+    them, else of its bytes: `tensor_digest`), so a ranged read verifies what it fetched. `checksum` names the algorithm (encoding.CHECKSUMS) and `digest` is the digest of the header's
     digest and each tensor's in file order (encoding.file_digest): one pass over the bytes gives both.
     A sidecar written before `checksum` existed has None there and the keys `sha256` (the whole file's
     sha256) and `tensor_sha256` (each tensor's; null in still older ones) on storage: it reads into
@@ -235,6 +235,11 @@ class Sidecar(Record):
                    bytes=sum(memoryview(part).nbytes for part in data) if isinstance(data, list) else len(data),
                    digest=digest, tensor_digests=tensors, checksum=checksum,
                    stats={name: s.to_json() for name, s in stats.items()}, **fields)
+
+    def tensor_digest(self, data) -> str:
+        """A tensor's digest from its bytes, by this sidecar's rule (encoding.tensor_digest): compare it with
+        `tensor_digests[name]`."""
+        return encoding.tensor_digest(data, self.algorithm, None if self.chunk_digests is None else self.chunk_bytes)
 
     @property
     def algorithm(self) -> str:
