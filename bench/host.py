@@ -81,7 +81,7 @@ from harvest.store import encoding  # noqa: E402
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
 
 
-CHUNKED = "xxh3_128 of each tensor and each 1 MiB chunk (the sidecar's: two hashes a byte)"
+CHUNKED = "xxh3_128 of each 1 MiB chunk, each tensor's derived (the sidecar's: one hash a byte)"
 
 
 # --- 1. host stage -------------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ class Crc32:
 
 
 class WithChunks:
-    """xxh3_128 of the bytes and of each 1 MiB of them, as a sidecar holds them (encoding.tensor_checksums): two
-    hashes a byte read once. The format's own floor, beside the issue's (one checksum pass)."""
+    """xxh3_128 of each 1 MiB of the bytes and the tensor's digest derived from them, as a sidecar holds them
+    (encoding.tensor_checksums): one hash a byte, in chunks. The format's own floor, beside the plain one pass."""
 
     def update(self, data) -> None:
         encoding.tensor_checksums([data], "xxh3_128", encoding.CHUNK_BYTES)

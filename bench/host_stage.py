@@ -183,7 +183,7 @@ def steps_alone(args, shards: list, directory: Path) -> list[tuple[str, str | No
     parts = timed("encoding: safetensors header + parts", shard_parts, shards)
     sums = {}
     for checksum in encoding.CHECKSUMS:
-        sums[checksum] = timed(f"checksums: {checksum} of each tensor and each 1 MiB chunk (two hashes a byte)",
+        sums[checksum] = timed(f"checksums: {checksum} of each 1 MiB chunk, each tensor's derived (one hash a byte)",
                                lambda p: encoding.shard_checksums(p, checksum, encoding.CHUNK_BYTES), parts, checksum)
     default = encoding.default_checksum()
 
