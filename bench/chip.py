@@ -307,11 +307,13 @@ def stage_host(args: argparse.Namespace, work: Path) -> None:
     """bench/host.py on all of this host's cores, then on 2 (this project's CI machine): its whole table goes to
     the stage's log, the host stage's row to the check's table."""
     cores = len(os.sched_getaffinity(0))
-    # the H100's host took ~70 s and ~50 s for these (its feeder's corpus is built by a Python loop)
+    # the H100's host took ~70 s and ~50 s for these with bf16 alone, most of it the feeder's corpus (built by a
+    # Python loop) and its BPE; fp8 captures as the device hands them add a stage run of ~2 s, on all cores
     for n, limit in [(cores, 80)] + ([(2, 60)] if cores > 2 else []):
         log = work / f"host-{n}.log"
+        dtypes = "bfloat16,float8_e4m3fn" if n == cores else "bfloat16"
         cmd = [sys.executable, str(HERE / "host.py"), "--cores", str(n), "--repeats", "1", "--batches", "6",
-               "--feeder-mb", "2", "--vocab", "30000", "--out", str(work)]
+               "--feeder-mb", "2", "--vocab", "30000", "--dtypes", dtypes, "--out", str(work)]
         code, seconds = run_limited(cmd, limit, log, env={"COLUMNS": "200"})
         if code != "0":
             emit("host", f"{n} cores", "FAILED", failure(code, limit, log))
@@ -322,6 +324,9 @@ def stage_host(args: argparse.Namespace, work: Path) -> None:
             cells = [c.strip() for c in line.strip().strip("│").split("│")]
             if len(cells) == 6 and cells[0].startswith(("host stage", "floor", "feeder")):
                 emit("host", f"{n} cores: {cells[0]}", cells[3], f"per core {cells[4]}; vs floor {cells[5] or '-'}")
+            elif len(cells) == 8 and cells[4].replace(",", "").isdigit():  # the table by storage dtype
+                emit("host", f"{n} cores: {cells[0]}", f"{cells[4]} tokens/s",
+                     f"{cells[3]} GB/s; vs bf16 {cells[6] or '-'}; vs floor {cells[7] or '-'}")
 
 
 def run_stage(args: argparse.Namespace) -> None:
