@@ -26,9 +26,9 @@ TIMED = ("feeder", "chip", "storage")  # the waits timed; "host" is the host thr
 ADVICE = {
     "chip": "the forward sets the pace, as it should: more or faster chips, or fewer layers run (--points)",
     "host": "the host stage (copies to numpy, cutting shards) sets the pace: more host cores per chip, fewer "
-            "bytes per token (--dtype float8_e4m3fn or int8), fewer capture points",
-    "storage": "storage sets the pace: fewer bytes per token (--dtype float8_e4m3fn or int8), a faster disk or "
-               "a bucket in the chips' region",
+            "bytes per token (--dtype float8_e4m3fn or int8 where it stores 16 or 32 bits), fewer capture points",
+    "storage": "storage sets the pace: fewer bytes per token (--dtype float8_e4m3fn or int8 where it stores 16 or "
+               "32 bits), larger shards (--shard-size), a faster disk or a bucket in the chips' region",
     "feeder": "reading and tokenizing set the pace: pre-tokenized streams (harvest streams create), a closer "
               "or faster source, longer records per row",
 }
