@@ -272,7 +272,7 @@ class Committer:
     when another writer committed a shard of the stream first. `checksum`: the sidecars' algorithm
     (encoding.CHECKSUMS; default encoding.default_checksum()). `generation(stream)` names the generation a
     stream's shards are committed in (`Leases.generation`; "" where none was started). `write_threads`: data
-    objects written at once (default: one per core, at least 2; a bucket may take more in flight than a disk).
+    objects written at once (default: the storage's `writes_in_flight`: a disk's cores, at least 2; more to a bucket).
     """
 
     def __init__(self, storage: Storage, on_commit: Callable[[Sidecar], None] | None = None, *, attempt: str,
@@ -290,7 +290,7 @@ class Committer:
         # Data objects are written as soon as their shard closes, `write_threads` at a time (each has its own
         # name), and committed in order by the stream's thread: one stream's writes and fsyncs overlap.
         self._writes = concurrent.futures.ThreadPoolExecutor(
-            max_workers=write_threads or max(2, len(os.sched_getaffinity(0))), thread_name_prefix="commit-write")
+            max_workers=write_threads or storage.writes_in_flight, thread_name_prefix="commit-write")
         self.on_commit = on_commit or (lambda manifest: None)
         self.guard = guard or (lambda stream: None)
         self.generation = generation or (lambda stream: "")
