@@ -249,7 +249,7 @@ def tensor_digest(data, checksum: str, chunk_bytes: int | None) -> str:
     chunk digests of `chunk_bytes`, else (an older sidecar; None) the plain digest of the bytes."""
     if chunk_bytes is None:
         return digest(data, checksum)
-    return of_chunks(chunk_digests(data, checksum, chunk_bytes), checksum)
+    return tensor_checksums([data], checksum, chunk_bytes)[0]
 
 
 def chunk_digests(data, checksum: str, chunk_bytes: int) -> list[str]:
