@@ -30,7 +30,7 @@ demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/harvest demo
 
 # SkyPilot in its own environment (its click pin conflicts with huggingface_hub's): `harvest fleet` calls
-# its SDK there, and tests/test_fleet.py loads the emitted tasks with it.
+# its SDK there, and tests/fleet/test_fleet.py loads the emitted tasks with it.
 SKY_VENV ?= .venv-sky
 $(SKY_VENV)/.installed:
 	$(PYTHON) -m venv $(SKY_VENV)
@@ -62,12 +62,12 @@ base-image:
 	tar -C build/rootfs -c . | docker import - harvest-base:bookworm
 	rm -rf build/rootfs
 
-# Builds the CPU image on the local base and runs tests/test_image.py against it: ~25 min here with
+# Builds the CPU image on the local base and runs tests/fleet/test_image.py against it: ~25 min here with
 # dockerd --storage-driver=vfs (every layer a full copy), so its own target, outside `make test`.
 image-test: $(VENV)/.installed-test
 	docker image inspect harvest-base:bookworm >/dev/null 2>&1 || $(MAKE) base-image
 	$(MAKE) image BASE_IMAGE=harvest-base:bookworm IMAGE=harvest:test
-	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/test_image.py
+	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/fleet/test_image.py
 
 clean:
 	rm -rf $(VENV) $(SKY_VENV) build src/*.egg-info .pytest_cache

@@ -19,6 +19,7 @@ os.environ["HARVEST_CACHE"] = tempfile.mkdtemp(prefix="harvest-cache-")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path[1:1] = [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and d.name[0] not in "._"]  # INTERIM (issue 38): tests that import other tests
 
 pytest_plugins = ["storage_servers"]
 

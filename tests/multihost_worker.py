@@ -1,4 +1,4 @@
-"""One process of the multi-process test (tests/test_distributed.py): join, run the sharded forward, dump.
+"""One process of the multi-process test (tests/runtime/test_distributed.py): join, run the sharded forward, dump.
 
 argv: COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR MESHES NAME=CKPT_DIR...
 Every process runs the same computations in the same order (multi-controller); process 0 writes

@@ -1,5 +1,5 @@
 """The clocks that harvest's protocols read, behind one object so that a simulation can run the real lease,
-commit and retry code on simulated time (tests/test_simulation.py).
+commit and retry code on simulated time (tests/store/test_simulation.py).
 
 `monotonic()` measures every duration a decision rests on (retry backoff, lease TTLs); it never jumps and
 is only ever compared with itself, never with another host's. `wall()` is for display (progress,

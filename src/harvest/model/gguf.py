@@ -5,7 +5,7 @@ dequantized once, with the `gguf` package's own numpy dequantization, into `$HAR
 config.json, model.safetensors (float32: a dequantized block is d*q+m, exact in float32 and not in bf16) and the
 tokenizer files, chat template included, which transformers builds from the GGUF's metadata. Every command then
 loads that directory as any other checkpoint. Tensor names and llama.cpp's q/k row permutation are mapped back
-as transformers' own GGUF loader does (tests/test_gguf.py holds the two to the same tensors).
+as transformers' own GGUF loader does (tests/model/test_gguf.py holds the two to the same tensors).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Every shell and Python example of the README runs in the suite, or, where it needs a cloud, a pod or several
-hosts, is parsed and planned (issue 35.2; the YAML blocks and the fleets: tests/test_readme_fleet.py).
+hosts, is parsed and planned (issue 35.2; the YAML blocks and the fleets: tests/user/test_readme_fleet.py).
 
 Each command of every `bash` block is named in TREATMENT by its first words, which says what the suite does
 with it: runs it on small local data (RUN), parses and plans its inner `harvest` command on the slice or hosts
@@ -36,7 +36,7 @@ RUN, POD, FLEET, MAKE = "run", "pod", "fleet", "make"
 # README command (its first words) -> (treatment, details):
 #   RUN: the flags appended to shrink it;  POD: (accelerator as SkyPilot names it, nodes), and for a command
 #   that also runs here as one host, the flags that make it fit (its mesh on this host's 8 test devices);
-#   FLEET: tests/test_readme_fleet.py plans it;  MAKE: the Makefile target exists (test_cli runs the demo).
+#   FLEET: tests/user/test_readme_fleet.py plans it;  MAKE: the Makefile target exists (test_cli runs the demo).
 TREATMENT: dict[str, tuple] = {
     "make demo": (MAKE,),
     "make test": (MAKE,),
@@ -125,7 +125,7 @@ def test_every_readme_command_is_handled():
 
 
 def test_the_make_targets_exist():
-    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     for _, argv in readme_commands():
         if TREATMENT[key_of(argv)][0] == MAKE:
             assert re.search(rf"^{argv[1]}:", makefile, re.M), argv
@@ -382,7 +382,7 @@ def test_a_run_split_between_two_buckets_verifies(world):
 
 def test_the_fleet_commands_parse():
     """`harvest fleet up|status|down` need SkyPilot and a cloud: their lines parse with harvest's own parser (the
-    fleets themselves plan in tests/test_readme_fleet.py)."""
+    fleets themselves plan in tests/user/test_readme_fleet.py)."""
     from harvest.cli import build_parser
 
     for _, argv in readme_commands():

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # shapes.py: the published 7B shape
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # shapes.py: the published 7B shape
 from shapes import model_config  # noqa: E402
 
 from harvest.model.config import ModelConfig  # noqa: E402

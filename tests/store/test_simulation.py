@@ -14,7 +14,7 @@ of the current generation ever deleted, no data object deleted while a sidecar o
 names it, and no shard left in stream 1 once a full overwrite dropped it. Nothing bounds how late a request
 lands: a create or delete that timed out at its client may land after any wipe.
 
-A failing seed replays alone: HARVEST_SIM_SEED=<seed> pytest tests/test_simulation.py.
+A failing seed replays alone: HARVEST_SIM_SEED=<seed> pytest tests/store/test_simulation.py.
 HARVEST_SIM_SCHEDULES sets how many schedules run (default 10,000).
 """
 

@@ -57,7 +57,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    """The checkout's wheel the tasks carry (the hosts here run the suite's own `harvest`: tests/test_fleet_exec.py
+    """The checkout's wheel the tasks carry (the hosts here run the suite's own `harvest`: tests/fleet/test_fleet_exec.py
     runs a task's setup too)."""
     return built_wheel(tmp_path_factory.mktemp("wheel"))
 

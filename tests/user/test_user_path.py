@@ -250,7 +250,7 @@ def test_wandb_files_go_under_the_runs_out_not_the_current_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "WANDB_DIR"}
     done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
                           env={**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": os.pathsep.join(
-                              p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)})
+                              p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), sorted(out.rglob("*"))
     assert list(cwd.iterdir()) == []

@@ -25,7 +25,7 @@ from harvest.read import CorruptShardError, open_run, shuffle
 from harvest.storage import Storage
 from harvest.store import encoding, format as fmt
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # the workers live beside the shared helpers, in tests/
 PIECE = 40 * (4 + 2 * 40)  # piece_bytes for ~40 rows of small_run's two tensors: shards cut into several pieces
 
 

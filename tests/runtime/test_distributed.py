@@ -15,7 +15,7 @@ from harvest.errors import UserError
 from harvest.runtime import distributed as D
 from harvest.runtime.distributed import Settings, resolve
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # the workers live beside the shared helpers, in tests/
 CLUSTER_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
                "SLURM_STEP_NUM_NODES", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_WORKER_ID",
                "MEGASCALE_COORDINATOR_ADDRESS", "KUBERNETES_SERVICE_HOST", "OMPI_MCA_orte_hnp_uri")

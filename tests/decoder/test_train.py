@@ -2,7 +2,7 @@
 2 processes x 4), a killed or preempted run (exit 75) resumes to the params of one never interrupted, past a
 damaged newest checkpoint, export loads in transformers with harvest's logits, bad input is one line with
 nothing written, checkpoints in s3:// and gs:// buckets resume on fresh machines (one process and two).
-Checkpoint steps in storage on their own: tests/test_checkpoints.py."""
+Checkpoint steps in storage on their own: tests/training/test_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from test_distributed import CLUSTER_ENV, free_port
 
 from harvest.runtime import distributed as D
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # the workers live beside the shared helpers, in tests/
 TINY_SHAPE = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
               "rope_theta": 10000.0, "tie_word_embeddings": False}

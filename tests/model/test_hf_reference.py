@@ -1,13 +1,10 @@
 """Self-tests of the HF reference helper (tests/hf_reference.py)."""
 
 import json
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import hf_reference as H  # noqa: E402
 
 IDS = np.random.default_rng(0).integers(0, 211, size=(2, 7))

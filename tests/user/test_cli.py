@@ -17,7 +17,7 @@ def harvest(*args, tmp_path, **env_vars):
 
 
 def test_demo_runs_the_whole_pipeline_offline(tmp_path):
-    """The demo's steps on the tiny model (tests/test_gguf.py runs SmolLM2 itself)."""
+    """The demo's steps on the tiny model (tests/model/test_gguf.py runs SmolLM2 itself)."""
     result = harvest("demo", "--model", "tiny", "--texts", "6", "--tasks", "6",
                      "--points", "resid_post:0-1,mlp_hidden:1",
                      "--sae-steps", "4", "--eval-texts", "2", "--eval-tokens", "256", "--out", str(tmp_path / "run"),
