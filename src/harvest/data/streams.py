@@ -1,30 +1,13 @@
-"""Split a source into N disjoint streams (`harvest streams create`), and read streams back.
-
-Layout written under OUT:
-    stream_00000.jsonl ... stream_{N-1}.jsonl   the records, one JSON line each
-    streams.json                               written last: the commit marker (see below)
-
-Mapping `round_robin`: source record i (its global `sample_id`) is line i // N of stream i % N, so
-`sample_id = index * N + stream`. Each stream line is
-- for a `.jsonl` source: the source line verbatim (a malformed or non-object line too: the extraction
-  then skips it with the same reason and the original location as reading the source directly would);
-- for `.json`/`.parquet`/`.txt`/hub sources: `json.dumps(record)` (`{"text": line}` for text);
-- for a line the source could not even decode (bad UTF-8) or a row with values JSON cannot hold:
-  `{"__harvest_error__": REASON, "__harvest_location__": ORIGINAL_LOCATION}`, read back as an error record.
-
-streams.json: {"format_version": 1, "source": SRC, "files": describe(SRC) with a "records" count per file,
-"num_streams": N, "mapping": "round_robin", "counts": [...], "total": T, "sha256": [per stream file],
-"index_every": K, "line_offsets": [[byte offset of line 0, K, 2K, ...] per stream], "created_at": ISO}.
-Per-file record counts let a stream name each record's ORIGINAL location (`data/a.jsonl:17`); the line
-offsets let a resumed worker seek straight to its cursor instead of reading the stream from the top.
-"""
+"""Split a source into N disjoint streams (`harvest streams create`), and read streams back: stream_NNNNN.jsonl
+files and streams.json, written last as the commit marker. Source record i (its `sample_id`) is line i // N of
+stream i % N; streams.json counts the records of each source file (so a stream names a record's original
+location) and indexes line offsets (so a resumed worker seeks to its cursor). Format: docs/storage.md."""
 
 from __future__ import annotations
 
 import bisect
 import contextlib
 import datetime
-import decimal
 import hashlib
 import itertools
 import json
@@ -32,17 +15,16 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from harvest.data import sources
+from harvest.data import source_files, sources
 from harvest.data.pin import SourcePin
 from harvest.data.sources import Record
+from harvest.data.stream_lines import StreamWriter, carry, read_line
 from harvest.errors import UserError
 from harvest.storage import Storage, StorageNotFoundError
 
 STREAMS_FILE = "streams.json"
 FORMAT_VERSION = 1
 INDEX_EVERY = 4096
-ERROR_KEY = "__harvest_error__"
-LOCATION_KEY = "__harvest_location__"
 _STREAM_RE = re.compile(r"stream_(\d{5,})\.jsonl$")
 
 
@@ -55,64 +37,6 @@ def _join(url: str, name: str) -> str:
 
 
 # --- writing -----------------------------------------------------------------------------------------------
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (datetime.date, datetime.time)):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return value.decode("utf-8")  # UnicodeDecodeError: carried as an error line
-    if hasattr(value, "tolist"):  # numpy scalars / arrays
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON-serializable")
-
-
-def _carry(kind: str, data: Any, where) -> bytes:
-    """The stream line (without newline) for one source item; `where()` gives its location if needed."""
-    if kind == "line":
-        return data.encode("utf-8")
-    if kind == "value":
-        try:
-            text = json.dumps(data, ensure_ascii=False, default=_json_default)
-            try:
-                return text.encode("utf-8")
-            except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes: keep them escaped
-                return json.dumps(data, default=_json_default).encode("ascii")
-        except (TypeError, ValueError, UnicodeDecodeError) as e:
-            data = f"value not JSON-serializable: {e}"
-    return json.dumps({ERROR_KEY: data, LOCATION_KEY: where()}, ensure_ascii=False).encode("utf-8")
-
-
-class _StreamWriter:
-    """Buffered, hashed, line-indexed writer of one stream file (`file`: from Storage.open_write)."""
-
-    def __init__(self, file, buffer_bytes: int):
-        self.buffer_bytes = buffer_bytes
-        self.file = file
-        self.sha = hashlib.sha256()
-        self.buffer: list[bytes] = []
-        self.buffered = self.written = self.count = 0
-        self.offsets: list[int] = []
-
-    def write(self, line: bytes) -> None:
-        if self.count % INDEX_EVERY == 0:
-            self.offsets.append(self.written + self.buffered)
-        self.buffer.append(line + b"\n")
-        self.buffered += len(line) + 1
-        self.count += 1
-        if self.buffered >= self.buffer_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.buffer:
-            data = b"".join(self.buffer)
-            self.file.write(data)
-            self.sha.update(data)
-            self.written += len(data)
-            self.buffer, self.buffered = [], 0
-
-
 
 def _raise_fd_limit(needed: int) -> None:
     try:
@@ -135,8 +59,8 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
     """
     if isinstance(num_streams, bool) or not isinstance(num_streams, int) or num_streams < 1:
         raise UserError(f"--num-streams: must be a positive integer, got {num_streams!r}")
-    files = sources.resolve(data)
-    described = sources.describe(data, files)
+    files = source_files.resolve(data)
+    described = source_files.describe(data, files)
     store = Storage(out)
     if store.exists(STREAMS_FILE):
         if not overwrite:
@@ -152,11 +76,11 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
     buffer_bytes = buffer_bytes or max(64 << 10, min(1 << 20, (256 << 20) // n))
     per_file = [0] * len(files)
     with contextlib.ExitStack() as opened:  # every stream file lands at the end, or none does
-        writers = [_StreamWriter(opened.enter_context(store.open_write(stream_name(s))), buffer_bytes)
+        writers = [StreamWriter(opened.enter_context(store.open_write(stream_name(s))), buffer_bytes, INDEX_EVERY)
                    for s in range(n)]
         for sample_id, k, i, kind, value in sources.iter_items(files, 0, per_file):
             f = files[k]
-            writers[sample_id % n].write(_carry(kind, value, lambda: sources.location(f.path, f.format, i)))
+            writers[sample_id % n].write(carry(kind, value, lambda: sources.location(f.path, f.format, i)))
         for w in writers:
             w.flush()
 
@@ -181,23 +105,6 @@ def create_streams(data: str, num_streams: int, out: str, *, overwrite: bool = F
 
 
 # --- reading -----------------------------------------------------------------------------------------------
-
-def _stream_line(raw: bytes, sample_id: int, where: str) -> Record:
-    text, reason = sources._decode(raw, False)
-    if reason is not None:
-        return Record(sample_id, where, None, reason)
-    value, error = sources.parse_line(text)
-    if _is_carried_error(value):
-        return Record(sample_id, value[LOCATION_KEY] or where, None, value[ERROR_KEY])
-    return Record(sample_id, where, value, error)
-
-
-def _is_carried_error(value: dict | None) -> bool:
-    """Whether a stream line is one that _carry wrote for a bad source item (and not a record that merely
-    has a field of that name): exactly the two keys, both strings."""
-    return (value is not None and value.keys() == {ERROR_KEY, LOCATION_KEY}
-            and all(isinstance(v, str) for v in value.values()))
-
 
 class _PinnedReads:
     """A stream's next read may feed its content pin (harvest.data.pin): `pin_reads(stream, pin)` before it."""
@@ -315,7 +222,7 @@ class StreamSet(_PinnedReads):
             if pin is not None:
                 pin.add(sources.raw_bytes(None, raw))
             sample_id = index * self.num_streams + stream
-            yield _stream_line(raw, sample_id, self.location(sample_id) or f"{url}:{index + 1}")
+            yield read_line(raw, sample_id, self.location(sample_id) or f"{url}:{index + 1}")
 
     def _lines(self, stream: int, start: int, count: int) -> Iterator[tuple[int, bytes]]:
         """(index, line as stored, newline included) of the stream's records `start`..count-1."""
@@ -406,7 +313,7 @@ class SourceStreams(_PinnedReads):
     def __init__(self, spec: str):
         self._pins = {}
         self.spec = spec
-        self.files = sources.resolve(spec)  # a bad spec fails here, before any work starts
+        self.files = source_files.resolve(spec)  # a bad spec fails here, before any work starts
         self.counts: list[int | None] = [None]
         self.total: int | None = None
 
@@ -436,7 +343,7 @@ class SourceStreams(_PinnedReads):
             yield got.pop()
 
     def info(self) -> dict:
-        return {"kind": "source", **sources.describe(self.spec, self.files)}
+        return {"kind": "source", **source_files.describe(self.spec, self.files)}
 
 
 def open_data(spec: str) -> StreamSet | SourceStreams:
@@ -445,6 +352,6 @@ def open_data(spec: str) -> StreamSet | SourceStreams:
         raise UserError("--data: give a file, glob, URL, hf://NAME[:CONFIG]:SPLIT or a streams directory")
     if spec.rstrip("/").endswith(STREAMS_FILE):
         return StreamSet.open(spec)
-    if Storage.supports(spec) and not sources._has_magic(spec) and Storage(spec).exists(STREAMS_FILE):
+    if Storage.supports(spec) and not source_files.has_magic(spec) and Storage(spec).exists(STREAMS_FILE):
         return StreamSet.open(spec)
     return SourceStreams(spec)

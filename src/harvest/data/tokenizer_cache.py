@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harvest.errors import UserError
 from harvest.runtime import cache
 
 # Every file AutoTokenizer may read from a checkpoint (config.json: the model type picks the class).
@@ -152,10 +153,22 @@ def keep(checkpoint: Path, tokenizer: Any) -> None:
             temp.unlink(missing_ok=True)
 
 
-if __name__ == "__main__":  # build_apart's child: transformers builds the tokenizer, load_tokenizer keeps it
+def build(checkpoint: Path) -> Any:
+    """The checkpoint's tokenizer as transformers builds it (fast, chat template included), kept for the next job."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "PyTorch was not found" is no news to harvest
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    except Exception as e:  # transformers raises many kinds; all mean an unusable tokenizer
+        raise UserError(f"--model {checkpoint}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+    tokenizer.model_max_length = 2**62  # lengths are --max-seq-len's business, not a warning's
+    keep(checkpoint, tokenizer)
+    return tokenizer
+
+
+if __name__ == "__main__":  # build_apart's child: transformers builds the tokenizer, build keeps it
     # Without torch: building a tokenizer never needs it, and transformers would import it (~1 s of CPU) only
     # because it is installed. A None entry makes `import torch` fail and transformers find no torch.
     sys.modules["torch"] = None  # type: ignore[assignment]
-    from harvest.data.prompts import load_tokenizer
-
-    load_tokenizer(sys.argv[1])
+    build(Path(sys.argv[1]))

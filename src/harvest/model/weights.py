@@ -21,7 +21,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import safe_open
 
 from harvest.errors import UserError
-from harvest.model import gguf
+from harvest.model.gguf import gguf_in, is_gguf, materialize
 from harvest.model.config import ModelConfig
 from harvest.runtime.mesh import logical_sharding
 
@@ -105,12 +105,12 @@ def param_specs(cfg: ModelConfig, head: bool = False) -> dict[str, ParamSpec]:
 def resolve_checkpoint(model: str) -> Path:
     """A local HF checkpoint directory, or a hub id fetched (or found in the cache) with huggingface_hub, or a
     GGUF file (path or URL, or a directory holding one) dequantized once into a checkpoint directory."""
-    if gguf.is_gguf(model):
-        return gguf.materialize(model)
+    if is_gguf(model):
+        return materialize(model)
     path = Path(model).expanduser()
     if path.is_dir():
-        found = gguf.gguf_in(path)
-        return gguf.materialize(str(found)) if found else path
+        found = gguf_in(path)
+        return materialize(str(found)) if found else path
     if path.exists():
         raise CheckpointError(f"--model {model}: is a file; give the checkpoint directory holding config.json "
                               "or a .gguf file")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from harvest.data.arc import dihedral
-from harvest.data.sources import open_read
+from harvest.data.source_files import open_read
 
 # dihedral(dihedral(g, t), DIHEDRAL_INVERSE[t]) == g: the rotations by 90 and 270 undo each other, the
 # flips and transposes themselves.

@@ -1,45 +1,25 @@
-"""Shuffled token batches for training SAEs, probes and transcoders: streamed, split, resumable.
-
-`TokenBatches` walks the order of harvest.read.shuffle over the shards of a snapshot. Pieces are read
-ahead in threads (`prefetch` pieces beyond the group being served; harvest.read.pieces: ranged reads and
-what is checked). Memory holds about (buffer + prefetch) pieces of `piece_bytes`, whatever the shard size.
-Each batch is gathered straight from those bytes in the group's permuted order (one copy; a batch's rows
-come grouped by piece), then normalized and cast. A batch may span two groups; every batch but the last has
-exactly `batch_size` rows.
-
-Which shards an epoch reads. Consumers that split a run must split the same shards: a reader given
-`snapshot` (shard counts, the same on every rank) reads those in every epoch; a torch dataset hands its
-workers the snapshot it took. A reader with no snapshot reads the shards of the listing it was built from,
-and re-lists at each new epoch only when it is the sole consumer (picking up shards committed meanwhile).
-Several ranks with no snapshot on a run still being written are refused: each would list it at another
-moment and serve some tokens twice and others never. A sole consumer may instead follow a run being written
-(`follow=`): its first epoch is read in rounds of newly committed shards until the run is complete
-(harvest.read.rounds), batches run on across rounds and epochs, and later epochs read the whole run.
-Shard numbers count within a stream's generation: the reader's position (and its saved state) records the
-generation of the shards it counts, and a reader whose epoch's shards (or a follower's rounds) belong to a
-generation that has ended since (the stream was started over by an --overwrite) stops with one line
-(StartedOverError) rather than read other shards under the same numbers.
-"""
+"""Shuffled token batches for training SAEs, probes and transcoders: streamed, split, resumable; the order
+is harvest.read.shuffle's, the reads harvest.read.pieces', a followed run's rounds harvest.read.rounds'.
+Which shards an epoch reads, and why a reader stops at a started-over stream: docs/reading.md."""
 
 from __future__ import annotations
 
 import collections
 import logging
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from harvest.errors import UserError
-from harvest.read import shuffle
+from harvest.read.convert import NORMALIZE, normalization, torch_converter, torch_worker
 from harvest.read.errors import StateError
 from harvest.read.gather import Group
 from harvest.read.pieces import ON_CORRUPT, VERIFY, PieceReader, squared_norms
 from harvest.read.position import STATE_VERSION, Cursor, Order, run_fingerprint
 from harvest.read.rounds import Follower
+from harvest.read.shuffle import Piece, cut, epoch_order, groups, row_order, share, shards_to_verify
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
 from harvest.store.records import RunInfo, Sidecar
@@ -48,63 +28,11 @@ from harvest.store.stats import RunningStats
 
 log = logging.getLogger(__name__)
 
-NORMALIZE = (None, "standardize", "norm")
-
-
-def torch_converter() -> Callable[[np.ndarray], Any]:
-    """numpy -> torch without a copy (bf16 through its bits)."""
-    try:
-        import torch
-    except ImportError:
-        raise UserError("token_batches(as_torch=True) needs torch: pip install torch") from None
-
-    def convert(arr: np.ndarray):
-        arr = np.ascontiguousarray(arr)
-        if arr.dtype == np.dtype(ml_dtypes.bfloat16):
-            return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
-
-    return convert
-
-
-def torch_worker() -> tuple[int, int]:
-    """(worker id, number of workers) inside a torch DataLoader worker, else (0, 1)."""
-    torch = sys.modules.get("torch")
-    info = torch.utils.data.get_worker_info() if torch is not None else None
-    return (0, 1) if info is None else (int(info.id), int(info.num_workers))
-
 
 class TokenBatches:
     """Token rows for SAE training: {"tokens": [b], name: [b, d], ...}, numpy (or torch with as_torch), over
-    epochs. Built by `Run.token_batches(batch_size, tensors, **settings)`; the settings, with their defaults:
-
-    Order (harvest.read.shuffle): shards are cut into pieces of about `piece_bytes` of the tensors asked for;
-    the pieces are permuted per (`seed`, epoch), dealt to rank `rank` of `world` hosts and then to
-    data-loader workers (found by themselves inside a torch DataLoader, or given as `worker`/`workers`), and
-    each consumer mixes the rows of `shard_buffer` pieces at a time (`shuffle=False`: in shard order).
-    Memory: about (shard_buffer + `prefetch`) pieces, read by `io_threads` threads. Over an epoch every
-    committed token (less `exclude`, by default the run's special tokens) is served once across all
-    consumers; the last batch is short unless `drop_last`. `epoch` is the first epoch's number; `epochs`
-    how many (None: for ever, each in a new order). `streams` reads only those streams. `snapshot` (from
-    `Run.snapshot()`, the same on every rank) fixes the shards every epoch reads (see the module docstring).
-    `skip_first` leaves out each sample's first tokens (attention sinks: their norms dwarf the rest).
-    `max_norm` (R; None or 0: off) leaves out every token whose L2 norm exceeds R x the run's median token
-    norm at any of the tensors read (massive activations, wherever they sit): the median per tensor as given
-    in `median_norm` ({tensor: norm}, or one number for all), else the run's own (`median_norms`: a seeded
-    sample of the streams read, the same on every rank). `norm_limits` holds the limits applied;
-    `massive_left_out` counts the tokens the rule left out (and `tokens_considered` those it looked at) in
-    the groups read so far.
-    `follow` (seconds between listings) reads a run still being written, as its sole consumer: the first epoch
-    takes each shard once as it is committed and ends when the streams read are complete (`rounds`, a folder,
-    records each round's shards; see harvest.read.rounds; `on_wait()` runs as each wait for shards begins);
-    batches then run on across rounds and epochs.
-    `dtype` casts on the way out (8-bit codes are dequantized with their scales, to float32 by default);
-    `normalize` ("standardize": per dimension, "norm": E||x||^2 = d) uses the run's own stats (merged from
-    the sidecars, or as given in `stats`). `verify`, `on_corrupt`: see harvest.read.pieces. `state_dict()`
-    after any batch and
-    `load_state_dict()` on a fresh reader (same run, same order settings) continue with exactly the batches
-    that were still to come.
-    """
+    epochs; each committed token once per epoch across all consumers, and `state_dict()` continues exactly.
+    Built by `Run.token_batches(batch_size, tensors, **settings)`; the settings: docs/reading.md."""
 
     def __init__(self, storage: Storage, view: Snapshot, batch_size: int, names: list[str], *, seed: int = 0,
                  epoch: int = 0, epochs: int | None = 1, rank: int = 0, world: int = 1, worker: int | None = None,
@@ -167,7 +95,8 @@ class TokenBatches:
                               follow=follow is not None, max_norm=tuple(self.norm_limits.items()),
                               streams=None if streams is None else tuple(sorted(int(s) for s in streams)))
         self._fixed_worker = None if worker is None else (int(worker), int(workers))
-        self._affine = {n: self._normalization(n, normalize, stats) for n in names} if normalize else {}
+        self._affine = {n: normalization(stats[n] if stats is not None else view.stats(n), normalize, n, view.url)
+                        for n in names} if normalize else {}
         self._cursor = Cursor(int(epoch), 0, 0)
         self._first_epoch = int(epoch)
         self._epoch_counts: dict[int, int] | None = None  # the shards of the current epoch, per stream
@@ -201,18 +130,6 @@ class TokenBatches:
                      "pass exclude=[ids] to leave some out", self.view.url)
             return []
         return [int(t) for t in special]
-
-    def _normalization(self, name: str, how: str, given: Mapping[str, RunningStats] | None
-                       ) -> tuple[np.ndarray, np.ndarray]:
-        """(shift, scale) with out = (x - shift) * scale, from the run's own merged stats."""
-        stats = given[name] if given is not None else self.view.stats(name)
-        if stats.count == 0:
-            raise UserError(f"{self.view.url}: normalize={how!r} needs statistics, and {name} has no token yet")
-        if how == "standardize":
-            return stats.mean.astype(np.float32), (1 / np.sqrt(np.maximum(stats.var, 1e-12))).astype(np.float32)
-        mean_sq_norm = float(np.sum(stats.m2 / stats.count + stats.mean**2))  # E ||x||^2 over the run
-        scale = np.sqrt(len(stats.mean) / max(mean_sq_norm, 1e-12))
-        return np.zeros(len(stats.mean), np.float32), np.full(len(stats.mean), scale, np.float32)
 
     def order(self) -> Order:
         worker, workers = self._fixed_worker or torch_worker()
@@ -293,17 +210,17 @@ class TokenBatches:
             len(view.shards), view.num_tokens, len(counts), f", {writing} still being written" if writing else "")
         return list(view.shards)
 
-    def _plan(self, order: Order, shards: list[Sidecar], round_: int = 0) -> list[list[shuffle.Piece]]:
+    def _plan(self, order: Order, shards: list[Sidecar], round_: int = 0) -> list[list[Piece]]:
         """This consumer's groups of pieces for the epoch (or a round of it); marks the shards whose bytes it
         verifies."""
-        pieces = shuffle.cut([(sc.stream, sc.shard, sc.tokens) for sc in shards], order.piece_tokens)
-        everyone = shuffle.epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle, round_)
-        mine = shuffle.share(everyone, order.rank, order.world, order.worker, order.workers)
-        owned = shuffle.shards_to_verify(everyone, order.rank, order.world, order.worker, order.workers)
+        pieces = cut([(sc.stream, sc.shard, sc.tokens) for sc in shards], order.piece_tokens)
+        everyone = epoch_order(pieces, order.seed, self._cursor.epoch, order.shuffle, round_)
+        mine = share(everyone, order.rank, order.world, order.worker, order.workers)
+        owned = shards_to_verify(everyone, order.rank, order.world, order.worker, order.workers)
         keys = {(sc.stream, sc.shard): (sc.stream, sc.shard, sc.generation, sc.file) for sc in shards}
         self.pieces.to_verify = {shard for shard in owned if keys[shard] not in self._planned}
         self._planned |= set(keys.values())
-        return shuffle.groups(mine, order.buffer)
+        return groups(mine, order.buffer)
 
     # iteration -------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -356,7 +273,7 @@ class TokenBatches:
             carry = yield from self._serve(order, self._plan(order, shards, self._round), sidecars, carry, self._round)
             self._round, self._round_start, self._epoch_counts = self._round + 1, self._epoch_counts, None
 
-    def _serve(self, order: Order, plan: list[list[shuffle.Piece]], sidecars: dict, carry: tuple | None,
+    def _serve(self, order: Order, plan: list[list[Piece]], sidecars: dict, carry: tuple | None,
                round_: int = 0) -> Iterator[dict[str, Any]]:
         """The plan's full batches from the cursor on, the first one completing `carry`; returns the batch
         begun last (None when the rows ran out on a batch boundary). Pieces are read `prefetch` ahead of the
@@ -379,7 +296,7 @@ class TokenBatches:
                 massive = sum(part.massive for part in group.parts)
                 self.massive_left_out += massive
                 self.tokens_considered += massive + group.rows
-                perm = shuffle.row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle,
+                perm = row_order(group.rows, order.seed, epoch, order.rank, order.worker, g, order.shuffle,
                                          round_)
                 row = start.row if g == start.group else 0
                 while row < group.rows:
@@ -407,8 +324,8 @@ class TokenBatches:
     def _endless_and_empty(self, order: Order, carry: tuple | None) -> None:
         """An endless read (epochs=None) whose whole epoch gave no batch would loop for ever without one."""
         rows = 0 if carry is None else carry[1]
-        share = f"this reader's share ({order.rank} of {order.world}) of " if order.world * order.workers > 1 else ""
-        raise UserError(f"{self.view.url}: an epoch of {share}the streams read gives {rows:,} tokens, fewer than one "
+        whose = f"this reader's share ({order.rank} of {order.world}) of " if order.world * order.workers > 1 else ""
+        raise UserError(f"{self.view.url}: an epoch of {whose}the streams read gives {rows:,} tokens, fewer than one "
                         f"batch of {self.batch_size:,}" + (" (drop_last)" if self.drop_last else "")
                         + ": reading for ever would never yield a batch; read more streams or tokens, or take "
                           "smaller batches")

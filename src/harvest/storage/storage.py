@@ -1,25 +1,9 @@
 """Storage: one root URL (a local path, gs://bucket/prefix, s3://bucket/prefix) and the few operations
-harvest needs on it, over one backend per protocol (local.py, gcs.py, s3.py; the protocol in backend.py).
-
-Paths given to the methods are relative, '/'-separated, under the root (`stream_00003/shard_000012.json`).
-
-- A write either lands whole or not at all: locally a temp file in the same directory, fsync, rename;
-  on GCS/S3 a single-object upload becomes visible only when complete.
-- `create_exclusive` creates an object only if absent (link(2) locally, `ifGenerationMatch=0` on GCS,
-  `If-None-Match: *` on S3), `replace_if` swaps it only if unchanged; both decided by the store, atomically.
-- Transient errors (connection refused/reset, timeouts, HTTP 408/429/5xx) are retried here, in one place,
-  with exponential backoff and jitter, on `clock` (harvest.clock); gcsfs's, s3fs's and botocore's own retry
-  loops are off, so the budget is the one set on the class. Anything else (not found, permission, 4xx)
-  is not retried.
-- Every failure surfaces as `StorageError` (a `UserError`: one line naming the URL and what happened);
-  a missing file as `StorageNotFoundError`, which is also a `FileNotFoundError`; a full disk (ENOSPC, EDQUOT)
-  as `StorageFull`, exit 75 like `StorageUnreachable`: every write lands whole or not at all, so nothing is
-  corrupted, and the same command resumes once there is room.
-
-Endpoints and credentials come from the environment, as for any gcsfs/s3fs user: `STORAGE_EMULATOR_HOST`
-(GCS emulator), `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_DEFAULT_REGION` /
-`AWS_REGION`, Google application-default credentials.
-"""
+harvest needs on it, over one backend per protocol (local.py, gcs.py, s3.py; the protocol in backend.py), with
+paths relative to the root. A write lands whole or not at all; `create_exclusive` and `replace_if` are decided
+by the store atomically; transient errors are retried here, in one place (the clients' own retries are off);
+every failure is one `StorageError` line (StorageFull and StorageUnreachable: exit 75, the command resumes).
+Endpoints and credentials come from the environment, as for any gcsfs/s3fs user (docs/storage.md)."""
 
 from __future__ import annotations
 

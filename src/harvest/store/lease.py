@@ -1,33 +1,9 @@
-"""One writer per stream, as a rule for not duplicating work: a lease object per stream, taken and refreshed by
-conditional writes. Exactly-once does not rest on it (a late write of a fenced worker is refused by the
-commit itself: harvest.store.commit); leases keep two workers from computing the same shards.
-
-`stream_NNNNN/lease.json` (a LeaseRecord) holds the holder's random per-process id, its TTL and a version.
-Taking a free lease is a create-if-absent; taking over, and every heartbeat, a compare-and-swap on the
-object's version (`Storage.replace_if`), so of two contenders exactly one wins. It also names the generation
-its holder writes (where its shards lie: harvest.store.commit), which every rewrite carries on and only a wipe
-changes (`start_generation`), by a swap that lands only while the wiper holds the stream. Readers read the
-stream's generation pointer instead (generation.json: harvest.store.generation), which a taker reconciles with
-the lease it took, and from which a lease created fresh (a damaged one a person deleted) takes its generation.
-
-Staleness is decided by the TTL alone, wherever the taker runs, with no wall clock compared across hosts:
-- anyone takes a released lease at once;
-- anyone takes a lease after watching it unchanged for the holder's own TTL on this process's monotonic
-  clock (stopped, hung or gone, its holder no longer renews); a lease whose version moves meanwhile has a
-  live holder: the taker stops, `LeaseHeld`, exit 2, writing nothing;
-- the same worker id takes it at once when its holder is proven dead: a process of this boot and pid
-  namespace whose pid no longer runs (or runs another program, or is a zombie: killed, not yet reaped).
-A liveness check only ever shortens the wait for a holder proven dead: a holder seen running on this
-machine is watched like any other (a hung or stopped one is taken over after its TTL). The machine is
-its boot id (a kernel's, shared by its containers), not its hostname, which another VM or container may
-share; another boot proves nothing (another VM, or this one rebooted), and neither does another pid
-namespace (containers on one VM).
-
-A holder whose heartbeat finds another holder, or that cannot refresh for half its TTL, is fenced out:
-`check(stream)` raises from then on; the committer calls it before each write of the stream, and `on_lost`
-tells the job, which stops with one line (`FencedOut`, exit 3, or `RetryLater`, exit 75 when storage was
-unreachable). A taker waits a whole TTL of silence, so the holder has stopped half a TTL before.
-"""
+"""One writer per stream, as a rule for not duplicating work: a lease object per stream (stream_NNNNN/lease.json,
+a LeaseRecord), taken by create-if-absent and taken over or refreshed by compare-and-swap, so of two contenders
+one wins. Exactly-once does not rest on it (the commit refuses a fenced worker's late write: harvest.store.commit).
+Staleness is the holder's own TTL watched on this process's monotonic clock (no wall clock compared across
+hosts), shortened only for a holder proven dead on this boot. A holder that finds another holder, or cannot
+refresh for half its TTL, is fenced out: `check(stream)` raises from then on. The rules: docs/storage.md."""
 
 from __future__ import annotations
 
