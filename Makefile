@@ -1,11 +1,12 @@
-# `make demo` and `make test` do all the set-up on a fresh machine: virtualenv, install, run.
+# `make demo` and `make test` do all the set-up on a fresh machine: virtualenv, install, run. `make docs` builds
+# the docs site (mkdocs.yml, strict) into site/.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 comma := ,
 
-.PHONY: demo test bench clean image base-image image-test
+.PHONY: demo test docs bench clean image base-image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,13 @@ $(SKY_VENV)/.installed:
 test: $(VENV)/.installed-test $(SKY_VENV)/.installed
 	HARVEST_SKYPILOT_PYTHON=$(SKY_VENV)/bin/python $(BIN)/python -m pytest
 
+$(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
+	$(PIP) -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.installed-docs
+	$(BIN)/python -m mkdocs build --strict
+
 bench: $(VENV)/.installed-test
 	$(BIN)/python bench/forward.py
 
@@ -70,4 +78,4 @@ image-test: $(VENV)/.installed-test
 	HARVEST_TEST_IMAGE=harvest:test $(BIN)/python -m pytest tests/fleet/test_image.py
 
 clean:
-	rm -rf $(VENV) $(SKY_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(SKY_VENV) build site src/*.egg-info .pytest_cache

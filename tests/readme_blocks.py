@@ -1,7 +1,8 @@
-"""The README's fenced code blocks, as the README-examples tests read them: every example is run or planned.
+"""The fenced code blocks of the README and of the docs pages, as the examples tests read them: every example is
+run or planned, wherever it is written.
 
-A block is (line, lang, text): `line` is the 1-based line of its opening fence, `lang` the fence's info string
-("bash", "yaml", "python", "text", or "" when none), `text` what lies between the fences.
+A block is (path, line, lang, text): `line` is the 1-based line of its opening fence in `path`, `lang` the
+fence's info string ("bash", "yaml", "python", "text", or "" when none), `text` what lies between the fences.
 """
 
 from __future__ import annotations
@@ -10,22 +11,29 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").glob("*.md")))  # the README first: its fleet is "the first fleet"
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 
 
 @dataclass(frozen=True)
 class Block:
+    path: Path
     line: int
     lang: str
     text: str
 
     def where(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'no language'})"
+        return f"{self.path.relative_to(ROOT)}:{self.line} ({self.lang or 'no language'})"
 
 
-def blocks(lang: str | None = None, path: Path = README) -> list[Block]:
-    """Every fenced block of the file (indented fences too, as in list items), or those of one language."""
+def blocks(lang: str | None = None, pages: tuple[Path, ...] = PAGES) -> list[Block]:
+    """Every fenced block of the pages (indented fences too, as in list items), or those of one language."""
+    return [b for path in pages for b in _blocks(path) if lang is None or b.lang == lang]
+
+
+def _blocks(path: Path) -> list[Block]:
     found: list[Block] = []
     opened: tuple[int, str, str] | None = None
     body: list[str] = []
@@ -36,28 +44,13 @@ def blocks(lang: str | None = None, path: Path = README) -> list[Block]:
                 opened, body = (number, fence.group(2), fence.group(1)), []
         elif fence and fence.group(2) == "":
             start, info, indent = opened
-            found.append(Block(start, info, "\n".join(b[len(indent):] if b.startswith(indent) else b for b in body)))
+            found.append(Block(path, start, info, "\n".join(b[len(indent):] if b.startswith(indent) else b for b in body)))
             opened = None
         else:
             body.append(line)
     if opened is not None:
         raise ValueError(f"{path}:{opened[0]}: a fence that never closes")
-    return [b for b in found if lang is None or b.lang == lang]
-
-
-def commands(block: Block) -> list[str]:
-    """A shell block's commands: continuation lines joined, comments and blank lines dropped."""
-    joined, out = "", []
-    for raw in block.text.splitlines():
-        line = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
-        if line.endswith("\\"):
-            joined += line[:-1] + " "
-            continue
-        joined += line
-        if joined.strip():
-            out.append(" ".join(joined.split()))
-        joined = ""
-    return out
+    return found
 
 
 def shell_commands(block: Block) -> list[list[str]]:

@@ -1,5 +1,5 @@
-"""The README's fleet examples: every YAML block parses, every fleet in it plans with the real `harvest fleet
-plan`, and the plan output the README shows (`text` blocks) is what plan prints today.
+"""The fleet examples of the README and the docs pages: every YAML block parses, every fleet in them plans with
+the real `harvest fleet plan`, and the plan output they show (`text` blocks) is what plan prints today.
 
 The fleets plan as written: their buckets are fake-gcs-server's, holding what plan reads (the four-region
 fleet's streams.json, made by `harvest streams create`; a TRM's dataset marker, absent here, so its build is
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from readme_blocks import README, Block, blocks
+from readme_blocks import Block, blocks
 from storage_servers import create_gcs_bucket
 
 from harvest.cli import main
@@ -43,7 +43,7 @@ def _bucket(server, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def buckets(gcs_server, tmp_path_factory) -> None:
-    """The buckets the README's fleets name, in fake-gcs-server, and the streams plan reads there."""
+    """The buckets the examples' fleets name, in fake-gcs-server, and the streams plan reads there."""
     source = tmp_path_factory.mktemp("readme-fleet") / "tasks.jsonl"
     source.write_text("".join(json.dumps({"text": f"task {i}"}) + "\n" for i in range(2 * NUM_STREAMS)))
     urls = {url for b in _fleets() for url in re.findall(r"gs://[\w.-]+", b.text)}
@@ -68,7 +68,7 @@ def test_every_yaml_block_parses():
 @pytest.mark.parametrize("block", _fleets(), ids=lambda b: b.where())
 def test_every_fleet_plans(block, buckets, tmp_path, capsys):
     fleet = yaml.safe_load(block.text)
-    assert "install" not in fleet and "image" not in fleet  # the README's fleets carry the checkout
+    assert "install" not in fleet and "image" not in fleet  # the examples' fleets carry the checkout
     code, out, err = plan(fleet, tmp_path / f"{fleet['name']}.yaml", capsys)
     assert code == 0, f"{block.where()}: {err}"
     assert out.startswith(f"fleet {fleet['name']}: ")
@@ -101,12 +101,12 @@ def _shown_plans() -> list[tuple[Block, str, str]]:
 
 
 def _named_fleets() -> dict[str, dict]:
-    """The README's fleets by the file name the line before each gives it ("... `decoder-fleet.yaml`:")."""
-    lines = README.read_text().splitlines()
+    """The examples' fleets by the file name the line before each gives it ("... `decoder-fleet.yaml`:")."""
     named = {}
     for block in _fleets():
-        found = re.findall(r"`([\w-]+\.yaml)`:$", lines[block.line - 2])
+        found = re.findall(r"`([\w-]+\.yaml)`:$", block.path.read_text().splitlines()[block.line - 2])
         assert found, f"{block.where()}: the line before names no fleet file"
+        assert found[0] not in named, f"{block.where()}: {found[0]} is shown twice"
         named[found[0]] = yaml.safe_load(block.text)
     return named
 
@@ -117,7 +117,7 @@ def test_the_plan_output_the_readme_shows_is_what_plan_prints(buckets, tmp_path,
     assert len(shown) == 4, [b.where() for b, *_ in shown]
     for block, name, expected in shown:
         fleet = named.get(name)
-        if name == "decoder-fleet-v4-32.yaml":  # "The same file on the v4-32 the seed names"
+        if name == "decoder-fleet-v4-32.yaml":  # "The same file on a v4-32 (16 chips) is refused"
             fleet = {**named["decoder-fleet.yaml"]}
             fleet["groups"] = [{**fleet["groups"][0], "accelerator": "tpu-v4-32"}]
         assert fleet is not None, f"{block.where()}: no fleet named {name}"
