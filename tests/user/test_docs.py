@@ -42,8 +42,9 @@ def test_a_broken_anchor_fails_the_build(tmp_path):
     page = tmp_path / "docs" / "reading.md"
     page.write_text(page.read_text() + "\nSee [the format](storage.md#no-such-anchor).\n")
     done = build(tmp_path, tmp_path / "site")
-    assert done.returncode != 0
-    assert "no-such-anchor" in done.stderr and "Aborted" in done.stderr, done.stderr
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "does not contain an anchor '#no-such-anchor'" in output and "Aborted" in output, output
 
 
 def test_the_readme_links_into_the_docs_land(site):
