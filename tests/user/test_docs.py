@@ -54,3 +54,14 @@ def test_the_readme_links_into_the_docs_land(site):
     for page, anchor in links:
         html = (site / f"{page}.html").read_text()
         assert not anchor or f'id="{anchor}"' in html, f"README: docs/{page}.md#{anchor}"
+
+
+def test_the_files_the_pages_name_exist():
+    """A page that names a test, a bench script or a module file names one that is there (files move)."""
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    named = {(page.name, path) for page in pages
+             for path in re.findall(r"\b((?:tests|bench|harvest)/[\w/]+\.py)\b", page.read_text())}
+    assert named
+    missing = [f"{page}: {path}" for page, path in sorted(named)
+               if not (ROOT / path).exists() and not (ROOT / "src" / path).exists()]
+    assert not missing, missing
