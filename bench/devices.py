@@ -134,10 +134,8 @@ def main() -> None:
               f"{args.max_seq_len} per device; fp32 compute, {args.dtype} stored in {args.out or 'a temp dir'}, "
               f"shards of {args.shard_size}. {os.cpu_count()} cores; load average {load:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after")
-    if not sys.stdout.isatty():
-        os.environ.setdefault("COLUMNS", "160")
     show("one process, N devices: the whole extraction", ["devices", "tokens", "seconds", "tokens/s", "x 1st",
-         "steady", "host takes", "B/token", *STAGES, "bound"], rows, footer)
+         "steady", "host takes", "B/token", *STAGES, "bound"], rows, footer, columns=160)
 
 
 if __name__ == "__main__":

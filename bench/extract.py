@@ -38,10 +38,8 @@ Run:  .venv/bin/python bench/extract.py            (~30 minutes on 2 idle CPU co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,25 +47,23 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # table.py, hf_loop.py, workloads.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # table.py, hf_loop.py, workloads.py, extract_*.py
 import jax
 import jax.numpy as jnp
 import torch
 import transformers
 import hf_loop
+from extract_forward import run_forward
+from extract_harvest import listen_for_cache_hits, run_harvest
+from extract_processes import run_processes
 from table import show
-from workloads import add_model_args, build_model, harvest_command, hf_command, workload_texts, write_data
+from workloads import add_model_args, build_model, resid_layers, workload_texts, write_data
 
-from harvest.config import ExtractConfig
-from harvest.data import prompts, streams
-from harvest.data.batching import pack_stream, stream_pieces
-from harvest.extract import job
-from harvest.model import ModelConfig, load_decoder, moments, parse_points
+from harvest.model import ModelConfig, parse_points
+from harvest.model.flops import causal_context, forward_flops_per_token
 from harvest.runtime import cores
-from harvest.runtime.mesh import make_mesh
 
 WORKLOADS = ("short", "lognormal", "arc")
-CACHE_HITS: list[str] = []  # JAX's persistent compile cache hits so far
 
 
 def parse_args() -> argparse.Namespace:
@@ -121,124 +117,12 @@ def matmul_rate(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def useful_flops(cfg: ModelConfig, layers_run: int, lengths: np.ndarray) -> float:
-    """Matmul FLOPs of the layers run over real tokens, plus causal attention within each sample."""
-    d, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_token = 2 * (d * q + 2 * d * kv + q * d + 3 * d * cfg.intermediate_size)
-    attention = 2 * 2 * q * float((lengths * (lengths + 1) / 2).sum())
-    return layers_run * (per_token * float(lengths.sum()) + attention)
-
-
-# --- harvest end-to-end -------------------------------------------------------------------------------------
-
-class TimedDecoder:
-    """Wraps the job's Decoder: timestamps each call's return and counts its real tokens (segment > 0)."""
-
-    def __init__(self, decoder):
-        self._decoder = decoder
-        self.calls: list[tuple[float, int]] = []
-
-    def __getattr__(self, name):
-        return getattr(self._decoder, name)
-
-    def step(self, tokens, segments):
-        out = self._decoder.step(tokens, segments)
-        self.calls.append((time.perf_counter(), int(np.count_nonzero(segments))))
-        return out
-
-
-def run_harvest(args, model_dir: Path, data: Path, out: Path, seq: int) -> dict:
-    wrapped: list[TimedDecoder] = []
-    original = job.load_decoder
-
-    def load_timed(*a, **k):
-        wrapped.append(TimedDecoder(original(*a, **k)))
-        return wrapped[-1]
-
-    cfg = ExtractConfig(model=str(model_dir), data=str(data), out=str(out), points=args.points,
-                        max_seq_len=seq, batch_size=args.batch_size, long="truncate",
-                        dtype="bfloat16", compute_dtype="float32", shard_size=args.shard_size,
-                        overwrite=True).validate()
-    job.load_decoder = load_timed
-    hits = len(CACHE_HITS)
-    try:
-        t0 = time.perf_counter()
-        summary = job.run_extract(cfg)
-        t_end = time.perf_counter()
-    finally:
-        job.load_decoder = original
-    calls = wrapped[0].calls
-    return {"wall": t_end - t0, "tokens": summary["tokens_this_run"], "pipeline": summary["seconds"],
-            "packing": summary["packing_efficiency"], "steady": t_end - calls[0][0],
-            "steady_tokens": sum(n for _, n in calls), "cached": len(CACHE_HITS) > hits}
-
-
-# --- HF transformers ----------------------------------------------------------------------------------------
-
-def run_hf(args, model_dir: Path, data: Path, out: Path, layers: list[int], seq: int) -> dict:
-    return hf_loop.extract(model_dir, data, out, layers, seq, args.hf_batch_size, args.attn)
-
-
-# --- forward only, interleaved ------------------------------------------------------------------------------
-
-def run_forward(args, model_dir: Path, data: Path, seq: int) -> dict:
-    """harvest's Decoder on the packed rows harvest builds and HF's model(...) on the HF loop's padded
-    batches, no I/O, interleaved so that both see the same background load; compile excluded."""
-    tokenizer = prompts.load_tokenizer(model_dir)
-    events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
-                           prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=seq,
-                           long="truncate", strict=False, sample_error=prompts.SampleError)
-    rows = list(pack_stream(events, seq))
-    # As the job runs on this host: one slot, each batch split over the cores' devices (runtime.cores).
-    devices = cores.core_devices(0)
-    decoder = load_decoder(model_dir, args.points, make_mesh(f"data={len(devices)}", devices), "float32",
-                           out_dtype="bfloat16", moment_slots=moments.SLOTS)
-    B = args.batch_size * len(devices)
-    packed = []
-    for at in range(0, len(rows), B):
-        tokens, segments = np.zeros((B, seq), np.int32), np.zeros((B, seq), np.int32)
-        for i, row in enumerate(rows[at : at + B]):
-            tokens[i], segments[i] = row.tokens, row.segments
-        packed.append((tokens, segments))
-    with data.open() as f:
-        texts = [json.loads(line)["text"] for line in f]
-    padded = [tokenizer(texts[at : at + args.hf_batch_size], padding="longest", truncation=True,
-                        max_length=seq, return_tensors="pt")
-              for at in range(0, len(texts), args.hf_batch_size)]
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32, attn_implementation=args.attn).eval()
-    jax.block_until_ready(decoder.step(*packed[0]))  # compiled before timing
-
-    def harvest_call(batch):
-        jax.block_until_ready(decoder.step(*batch))
-
-    @torch.no_grad()
-    def hf_call(enc):
-        model(**enc, output_hidden_states=True)
-
-    work = [(harvest_call, packed), (hf_call, padded)]
-    done, wall = [0, 0], [0.0, 0.0]
-    while any(d < len(items) for d, (_, items) in zip(done, work)):
-        e = min((k for k in (0, 1) if done[k] < len(work[k][1])), key=lambda k: done[k] / len(work[k][1]))
-        fn, items = work[e]
-        t = time.perf_counter()
-        fn(items[done[e]])
-        wall[e] += time.perf_counter() - t
-        done[e] += 1
-    lengths = np.asarray([len(p.tokens) for row in rows for p, _ in row.events])
-    return {"harvest": wall[0], "hf": wall[1], "tokens": int(lengths.sum()), "lengths": lengths,
-            "hf_tokens": sum(int(enc["attention_mask"].sum()) for enc in padded)}
-
-
-# --- one workload, the table --------------------------------------------------------------------------------
-
 def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> list[str]:
     count = max(int(getattr(args, name) * args.scale), 1)
     texts = workload_texts(name, count)
     seq = args.arc_max_seq_len if name == "arc" else args.max_seq_len
     data = write_data(texts, root / f"{name}.jsonl")
-    layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
+    layers = resid_layers(args.points, args.layers)
     lengths = np.minimum([len(t) for t in texts], seq)
     print(f"{name}: {len(texts)} records, {int(lengths.sum()):,} tokens (median {int(np.median(lengths))}, "
           f"max {lengths.max()}), rows of {seq}", flush=True)
@@ -247,7 +131,8 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
         shutil.rmtree(root / "out-harvest", ignore_errors=True)
         runs["harvest"].append(run_harvest(args, model_dir, data, root / "out-harvest", seq))
         shutil.rmtree(root / "out-hf", ignore_errors=True)
-        runs["hf"].append(run_hf(args, model_dir, data, root / "out-hf", layers, seq))
+        runs["hf"].append(hf_loop.extract(model_dir, data, root / "out-hf", layers, seq, args.hf_batch_size,
+                                          args.attn))
         h, f = runs["harvest"][-1], runs["hf"][-1]
         print(f"  round {k + 1}: harvest {h['wall']:.1f} s ({h['tokens'] / h['pipeline']:,.0f} tokens/s; "
               f"{'forward from the compile cache' if h['cached'] else 'compiled'}), HF {f['wall']:.1f} s", flush=True)
@@ -255,56 +140,15 @@ def run_workload(args, name: str, model_dir: Path, root: Path, rate: float) -> l
     fwd = run_forward(args, model_dir, data, seq)
     if not h["tokens"] == f["tokens"] == fwd["tokens"] == fwd["hf_tokens"]:
         sys.exit(f"{name}: real token counts differ: {h['tokens']}, {f['tokens']}, {fwd['tokens']}, {fwd['hf_tokens']}")
-    cfg = ModelConfig.from_dir(model_dir)
-    achieved = useful_flops(cfg, parse_points(args.points, args.layers).num_layers, fwd["lengths"]) / fwd["harvest"]
+    flops = forward_flops_per_token(ModelConfig.from_dir(model_dir), causal_context(fwd["lengths"]),
+                                    parse_points(args.points, args.layers).num_layers) * fwd["tokens"]
+    achieved = flops / fwd["harvest"]  # useful FLOPs: the layers run, attention within each sample, real tokens
     e2e, steady = h["tokens"] / h["pipeline"], h["steady_tokens"] / h["steady"]
     hf_rate, fwd_rate = f["tokens"] / f["pipeline"], fwd["tokens"] / fwd["harvest"]
     return [name, f"{h['tokens']:,}", f"{e2e:,.0f}", f"{steady:,.0f}", f"{fwd_rate:,.0f}",
             f"{hf_rate:,.0f}", f"{fwd['tokens'] / fwd['hf']:,.0f}", f"{e2e / hf_rate:.2f}x", f"{e2e / fwd_rate:.2f}x",
             f"{steady / fwd_rate:.2f}x",
             f"{h['packing']:.3f}", f"{achieved / 1e9:.1f} ({achieved / rate:.0%})"]
-
-
-# --- whole processes, start-up included ---------------------------------------------------------------------
-
-def run_processes(args, model_dir: Path, root: Path, workload: str) -> list[list[str]]:
-    """`harvest extract` and `python bench/hf_loop.py` as a user runs them, timed from fork to exit: a short job
-    pays each one's start-up (imports, model load, harvest's compile). harvest runs first with an empty compile
-    cache (a first job), then with the cache that run left (every later job of the shape); rounds alternate."""
-    texts = workload_texts(workload, args.process_texts)
-    data = write_data(texts, root / f"process-{workload}.jsonl")
-    layers = [layer for p, ls in parse_points(args.points, args.layers).points if p == "resid_post" for layer in ls]
-    harvest_cmd = harvest_command(model_dir, data, root / "process-harvest", args.points, args.max_seq_len,
-                                  args.batch_size, "--shard-size", args.shard_size)
-    hf_cmd = hf_command(model_dir, data, root / "process-hf", layers, args.max_seq_len, args.hf_batch_size, args.attn)
-    cache = root / "process-cache"
-    env = {**os.environ, "HARVEST_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-
-    startups: list[str] = []  # harvest's own start-up line (harvest.extract.startup) of each job
-
-    def timed(cmd: list[str]) -> float:
-        t = time.perf_counter()
-        done = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        startups.extend(line for line in done.stdout.splitlines() if line.startswith("start-up:"))
-        return time.perf_counter() - t
-
-    seconds: dict[str, list[float]] = {"first": [], "later": [], "hf": []}
-    tokens = sum(min(len(t), args.max_seq_len) for t in texts)
-    print(f"whole process: {len(texts)} {workload} texts, {tokens:,} tokens", flush=True)
-    for k in range(args.rounds):
-        shutil.rmtree(cache, ignore_errors=True)
-        seconds["first"].append(timed(harvest_cmd))
-        seconds["hf"].append(timed(hf_cmd))
-        seconds["later"].append(timed(harvest_cmd))
-        print(f"  round {k + 1}: harvest {seconds['first'][-1]:.1f} s (compiles), {seconds['later'][-1]:.1f} s "
-              f"(compile cache), HF {seconds['hf'][-1]:.1f} s", flush=True)
-        for line in startups[-2:]:
-            print(f"    harvest {line}", flush=True)
-    hf = min(seconds["hf"])
-    return [[f"{workload}: {what}", f"{tokens:,}", f"{min(seconds[key]):.1f}", f"{hf / min(seconds[key]):.2f}x"]
-            for what, key in (("harvest extract, first job (compiles)", "first"),
-                              ("harvest extract, later jobs (compile cache)", "later"),
-                              ("python bench/hf_loop.py", "hf"))]
 
 
 def main() -> None:
@@ -316,8 +160,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(root / "cache", ignore_errors=True)
     os.environ["HARVEST_CACHE"] = str(root / "cache")  # compiled programs: the first run of a shape compiles
-    jax.monitoring.register_event_listener(
-        lambda event, **_: CACHE_HITS.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+    listen_for_cache_hits()
     try:
         model_dir = build_model(args, root)
         rate = matmul_rate()
@@ -345,14 +188,13 @@ def main() -> None:
         f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} cores; "
         f"load average {load:.1f} before, {os.getloadavg()[0]:.1f} after (other work inflates wall times)"
     )
-    if not sys.stdout.isatty():  # rich would wrap the table at 100 columns (forward.show's minimum)
-        os.environ.setdefault("COLUMNS", "160")
     header = ["workload", "real tokens", "harvest e2e", "steady", "forward", "HF", "HF forward", "e2e/HF", "e2e/fwd",
               "steady/fwd", "packing", "GFLOP/s (of matmul)"]
-    show("harvest extraction vs HF transformers (CPU), tokens/s", header, rows, footer)
+    show("harvest extraction vs HF transformers (CPU), tokens/s", header, rows, footer, columns=160)
     if processes:
         show(f"whole process, start-up included: {args.process_texts:,} texts", ["command", "tokens", "seconds",
-             "HF / it"], processes, "fastest of the alternated rounds; HF / it > 1: faster than the plain HF script")
+             "HF / it"], processes, "fastest of the alternated rounds; HF / it > 1: faster than the plain HF script",
+             columns=160)
 
 
 if __name__ == "__main__":

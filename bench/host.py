@@ -10,8 +10,8 @@
 2. The floor (bench/host_floor.py): the work no host stage can skip, one checksum pass and one write (+ fsync)
    of every byte, measured here in the same run on the same shards (a thread per core hashing, one per core
    writing). The host stage's ratio to the floor of its own checksum is the figure of merit.
-3. Feeder: jsonl text -> render -> tokenize -> pack (the job's data.batching), with a byte-level BPE of
-   ~150k tokens like Qwen2.5's, trained here on generated text: tokens/s, and per core.
+3. Feeder (bench/feeder.py): jsonl text -> render -> tokenize -> pack (the job's data.batching), with a
+   byte-level BPE of ~150k tokens like Qwen2.5's, trained here on generated text: tokens/s, and per core.
 
 `--cores N` pins the whole process (its threads, numpy's, the tokenizer's) to N cores.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -66,20 +65,14 @@ ARGS = parse_args()
 if ARGS.cores:  # before jax, numpy or the tokenizer start their threads: they all inherit it
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: ARGS.cores])
 
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/table.py, host_stage.py, host_floor.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # table.py, host_stage.py, host_floor.py, feeder.py
 import host_floor  # noqa: E402
 import host_stage  # noqa: E402
+from feeder import corpus, feeder, train_tokenizer  # noqa: E402
 from table import show  # noqa: E402
 
-from harvest.data import prompts, streams  # noqa: E402
-from harvest.data.batching import pack_stream, stream_pieces  # noqa: E402
 from harvest.model import moments  # noqa: E402
 from harvest.store import encoding  # noqa: E402
-
-SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou", "ee")]
-
 
 CHUNKED = "xxh3_128 of each 1 MiB chunk, each tensor's derived (the sidecar's: one hash a byte)"
 
@@ -175,56 +168,6 @@ def dtype_rows(works: dict, best: dict, floor: float, cores: int) -> list:
     return rows
 
 
-# --- 2. feeder -----------------------------------------------------------------------------------------------
-
-def corpus(megabytes: float) -> list[str]:
-    """Zipf-distributed pseudo-words over many syllables: enough distinct words to train a ~150k vocabulary."""
-    rng = np.random.default_rng(3)
-    vocabulary = ["".join(rng.choice(SYLLABLES, size=int(k))) for k in rng.integers(1, 5, 400_000)]
-    ranks = np.minimum(rng.zipf(1.1, int(megabytes * 1e6 / 6)), len(vocabulary)) - 1
-    words = np.asarray(vocabulary)[ranks]
-    texts, at = [], 0
-    for n in np.clip(rng.lognormal(np.log(300), 1.0, len(words)), 10, 4000).astype(int):
-        if at >= len(words):
-            break
-        texts.append(" ".join(words[at : at + n]))
-        at += n
-    return texts
-
-
-def train_tokenizer(texts: list[str], vocab: int, directory: Path) -> tuple[Path, int, float]:
-    """A byte-level BPE (as GPT-2/Qwen2.5), saved as a transformers checkpoint's tokenizer files."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>"], show_progress=False)
-    t = time.perf_counter()
-    tokenizer.train_from_iterator(texts, trainer)
-    seconds = time.perf_counter() - t
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
-    return directory, tokenizer.get_vocab_size(), seconds
-
-
-def feeder(texts: list[str], checkpoint: Path, root: Path, seq: int) -> tuple[float, int]:
-    data = root / "feeder.jsonl"
-    with data.open("w") as f:
-        for i, text in enumerate(texts):
-            f.write(json.dumps({"id": i, "text": text}) + "\n")
-    tokenizer = prompts.load_tokenizer(checkpoint)
-    t = time.perf_counter()
-    events = stream_pieces(streams.open_data(str(data)).records(0), prompts.make_renderer("text", tokenizer),
-                           prompts.encoder(tokenizer, "text"), first_index=0, max_seq_len=seq, long="chunk",
-                           strict=False, sample_error=prompts.SampleError)
-    tokens = sum(row.used for row in pack_stream(events, seq))
-    return time.perf_counter() - t, tokens
-
-
 def main() -> None:
     args = ARGS
     args.slots = moments.SLOTS
@@ -253,15 +196,15 @@ def main() -> None:
               f"the host stage per checksum and dtype, the Committer and the floors in turn); steps alone: one run, "
               f"one thread (seconds of each). Feeder: {len(texts):,} generated jsonl texts; the BPE trained in "
               f"{train_s:.0f} s. {machine}. {bound}")
-    if not sys.stdout.isatty():
-        os.environ.setdefault("COLUMNS", "150")
-    show("harvest host side (no model)", ["what", "amount", "seconds", "GB/s", "per core", "vs floor"], rows, footer)
+    show("harvest host side (no model)", ["what", "amount", "seconds", "GB/s", "per core", "vs floor"], rows, footer,
+         columns=150)
     show("host stage by storage dtype", ["what", "bytes/token", "seconds", "GB/s", "tokens/s", "per core", "vs bf16",
                                          "vs floor"], dtypes,
          f"tokens/s through the host stage ({encoding.default_checksum()}), bf16 values against 8-bit codes with a "
          f"float32 scale per token as the device hands them, of the same values, about the same bytes (8-bit: ~2x "
          f"the rows, as many shards, so the last shard's write on one thread weighs alike); 'vs floor': GB/s over the "
-         f"{encoding.default_checksum()} floor above (per byte). Best of {args.repeats} rounds. {machine}.")
+         f"{encoding.default_checksum()} floor above (per byte). Best of {args.repeats} rounds. {machine}.",
+         columns=150)
 
 
 if __name__ == "__main__":

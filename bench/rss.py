@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/extract.py: model and data; table.py: its printer
-from extract import build_model, workload_texts, write_data
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # workloads.py: model and data; table.py: its printer
 from table import show
+from workloads import build_model, harvest_command, model_fields, workload_texts, write_data
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,11 +32,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--records", type=int, default=40_000, help="lognormal records (more than the run gets through)")
     p.add_argument("--max-seq-len", type=int, default=1024, help="row length (default 1024)")
     p.add_argument("--shard-size", default="64MB", help="shard size (default 64MB: many commits)")
-    args = p.parse_args()
-    # What bench/extract.build_model reads.
-    args.hidden, args.intermediate, args.heads, args.kv_heads, args.layers, args.vocab = 256, 768, 4, 2, 8, 320
-    args.shapes = [(8, args.max_seq_len)]
-    return args
+    return p.parse_args()
 
 
 def rss_bytes(pid: int) -> int:
@@ -51,11 +47,10 @@ def main() -> None:
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="harvest-rss-") as tmp:
         root = Path(tmp)
-        model = build_model(args, root)
+        model = build_model(model_fields([(8, args.max_seq_len)]), root)
         data = write_data(workload_texts("lognormal", args.records), root / "data.jsonl")
-        cmd = [sys.executable, "-m", "harvest", "extract", "--model", str(model), "--data", str(data),
-               "--out", str(root / "out"), "--points", "resid_post:3-5", "--max-seq-len", str(args.max_seq_len),
-               "--long", "truncate", "--dtype", "bfloat16", "--shard-size", args.shard_size]
+        cmd = harvest_command(model, data, root / "out", "resid_post:3-5", args.max_seq_len, 8,
+                              "--shard-size", args.shard_size)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         start = time.monotonic()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
 
-def show(title: str, header: list[str], rows: list[list[str]], footer: str) -> None:
+
+def show(title: str, header: list[str], rows: list[list[str]], footer: str, columns: int = 100) -> None:
+    """`columns`: the width when stdout is a file or a pipe and COLUMNS is unset (rich would wrap at 80 there)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -19,4 +23,5 @@ def show(title: str, header: list[str], rows: list[list[str]], footer: str) -> N
         table.add_column(h, justify="left" if i < 3 else "right")
     for r in rows:
         table.add_row(*r)
-    Console(width=max(100, Console().width)).print(table)
+    width = Console().width if sys.stdout.isatty() or "COLUMNS" in os.environ else columns
+    Console(width=max(100, width)).print(table)

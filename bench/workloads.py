@@ -18,6 +18,7 @@ from forward import hf_config
 
 from harvest.data import arc as arclib
 from harvest.demo import demo_checkpoint
+from harvest.model import parse_points
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be or had it not "
          "were have but their one all also first new two has they more time after its been who other into "
@@ -34,6 +35,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
     m.add_argument("--layers", type=int, default=8, help="decoder layers (default 8)")
     m.add_argument("--vocab", type=int, default=320, help="vocabulary (>= 259: the byte tokenizer's ids; default 320)")
+
+
+def model_fields(shapes: list[tuple[int, int]], **dims: int) -> argparse.Namespace:
+    """build_model's fields without a command line: the flags' defaults with `dims` over them, and positions
+    for the (rows, seq) `shapes`."""
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    return argparse.Namespace(**{**vars(p.parse_args([])), **dims}, shapes=shapes)
 
 
 def build_model(args: argparse.Namespace, root: Path) -> Path:
@@ -73,6 +82,11 @@ def write_data(texts: list[str], path: Path) -> Path:
         for i, text in enumerate(texts):
             f.write(json.dumps({"id": i, "text": text}) + "\n")
     return path
+
+
+def resid_layers(points: str, layers: int) -> list[int]:
+    """The layers `points` captures at resid_post: the hidden states the HF loop keeps."""
+    return [layer for p, ls in parse_points(points, layers).points if p == "resid_post" for layer in ls]
 
 
 def harvest_command(model_dir: Path, data: Path, out: Path, points: str, seq: int, batch: int, *extra: str,

@@ -11,7 +11,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
-import chip  # noqa: E402
+import limited  # noqa: E402
 
 
 def table_rows(text: str) -> list[list[str]]:
@@ -57,8 +57,8 @@ def test_a_stalled_process_is_stopped_with_every_threads_stack(tmp_path):
               "print('started', flush=True)\n"
               "time.sleep(60)\n")
     log = tmp_path / "stall.log"
-    code, seconds = chip.run_limited([sys.executable, "-c", script], 3, log, group=True)
+    code, seconds = limited.run_limited([sys.executable, "-c", script], 3, log, group=True)
     assert code == "stalled" and seconds < 30
     text = log.read_text()
     assert "started" in text and text.count("most recent call first") >= 2, text
-    assert "stalled at its 3 s limit" in chip.failure(code, 3, log)
+    assert "stalled at its 3 s limit" in limited.failure(code, 3, log)
