@@ -70,7 +70,7 @@ def main() -> None:
     from harvest.sae import model as M
     from harvest.sae.config import SaeConfig
     from harvest.sae.export import load_sae_run, spec_of
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     root = Path(tempfile.mkdtemp(prefix="bench-sae-"))
     tokens = args.batch * args.steps

@@ -41,10 +41,10 @@ from harvest.model.flops import forward_flops_per_token
 from harvest.model.init import init_params
 from harvest.runtime.chips import peak_flops_per_device
 from harvest.runtime.mesh import describe, make_mesh
-from harvest.train.config import TrainConfig
-from harvest.train.loss import loss_sum
-from harvest.train.optimizer import learning_rate, make_optimizer
-from harvest.train.step import batch_sharding, init_state, make_step, state_shardings
+from harvest.decoder.config import TrainConfig
+from harvest.decoder.loss import loss_sum
+from harvest.decoder.optimizer import learning_rate, make_optimizer
+from harvest.decoder.step import batch_sharding, init_state, make_step, state_shardings
 
 
 def parse_args() -> argparse.Namespace:

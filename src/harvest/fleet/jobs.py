@@ -20,6 +20,8 @@ from harvest.errors import UserError
 from harvest.fleet.spec import FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology
 from harvest.runtime.mesh import mesh_shape
+from harvest.training import kinds
+from harvest.training.kinds import KINDS
 
 _PROCESS = {"coordinator": "SkyPilot's env", "num_processes": "SkyPilot's env", "process_id": "SkyPilot's env"}
 # Settings the plan sets per worker; the job's section may not.
@@ -30,9 +32,9 @@ PLANNED = {
     "sae": {"run": "the fleet's data", "out": "the group's out", **_PROCESS},
 }
 REFUSED = {"overwrite": "a recovered worker would delete what it wrote before its preemption"}
-COMMAND = {"extract": ("extract",), "train": ("train",), "sae": ("sae", "train")}
+COMMAND = {"extract": ("extract",), "train": KINDS["train"].command, "sae": KINDS["sae"].command}
 INPUT = {"extract": "data", "train": "data", "sae": "run"}  # the setting the fleet's `data` fills
-DEFAULT_MESH = {"decoder": "fsdp={}", "trm": "data={}", "sae": "data={}"}  # as each trainer defaults
+DEFAULT_MESH = {k.trainer_name: k.default_mesh for k in KINDS.values()}  # as each trainer defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +55,8 @@ def trainer(spec: FleetSpec) -> str:
     """decoder, trm or sae (the train: section's model names a TRM, as `harvest train` reads it)."""
     if spec.job == "sae":
         return "sae"
-    from harvest.train.trm.settings import trm_model
-
     try:
-        return "trm" if trm_model(spec.settings.get("model")) is not None else "decoder"
+        return kinds.train_kind(spec.settings.get("model")).trainer_name
     except UserError as e:
         raise FleetError(f"{spec.path}: train: {e}") from None
 
@@ -64,19 +64,7 @@ def trainer(spec: FleetSpec) -> str:
 def config_class(spec: FleetSpec) -> type:
     if spec.job == "extract":
         return ExtractConfig
-    if spec.job == "sae":
-        from harvest.sae.config import SaeConfig
-
-        return SaeConfig
-    decoder, trm = _train_classes()
-    return trm if trainer(spec) == "trm" else decoder
-
-
-def _train_classes() -> tuple[type, type]:
-    from harvest.train.config import TrainConfig
-    from harvest.train.trm.settings import TrmTrainConfig
-
-    return TrainConfig, TrmTrainConfig
+    return kinds.BY_TRAINER[trainer(spec)].config()
 
 
 def check_job(spec: FleetSpec) -> Any:
@@ -85,7 +73,7 @@ def check_job(spec: FleetSpec) -> Any:
     job = spec.job
     command = "harvest " + " ".join(COMMAND[job])
     # train: a decoder's setting given to a TRM (or the reverse) is refused by `harvest train` itself, below
-    classes = _train_classes() if job == "train" else (config_class(spec),)
+    classes = (KINDS["train"].config(), KINDS["trm"].config()) if job == "train" else (config_class(spec),)
     fields = {f.name for cls in classes for f in dataclasses.fields(cls)}
     for key in spec.settings:
         if key not in fields:
@@ -98,9 +86,7 @@ def check_job(spec: FleetSpec) -> Any:
     flags = {**spec.settings, INPUT[job]: spec.data, "out": "planned"}
     try:
         if job == "train":
-            from harvest.train.job import train_config
-
-            return train_config(None, flags)  # exactly as `harvest train` builds and checks its settings
+            return kinds.train_config(None, flags)  # exactly as `harvest train` builds and checks its settings
         return config.build(config_class(spec), None, flags)
     except UserError as e:
         raise FleetError(f"{spec.path}: {job}: {e}") from None
@@ -135,7 +121,7 @@ def training_shape(spec: FleetSpec, group: Group, shape: Topology, cfg: Any) -> 
     if rows % slots:
         raise FleetError(f"{where}: {what} = {rows} does not split over the mesh's {slots} data slots (data x fsdp "
                          f"of {spec_text} on {shape.accelerator}); use a multiple of {slots}")
-    unit = "tokens" if kind == "sae" else "rows" if kind == "decoder" else "examples"
+    unit = kinds.BY_TRAINER[kind].unit
     return TrainingShape(kind, mesh, f"{rows} {unit}, {rows // slots} per data slot", cfg.steps)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from harvest.config import read_yaml
 from harvest.errors import UserError
-from harvest.train.trm.config import PRESETS as TRM_PRESETS
+from harvest.training import kinds
 from harvest.version import DISTRIBUTION
 
 # Job names join names with dots (harvest.fleet.plan.Worker.job_name): a name holds none, so no two
@@ -166,7 +166,7 @@ def _model(model: str, where: str, shared: bool, key: str) -> str:
         raise FleetError(f"{where}: {key} {model!r} is a path on this machine, which the fleet's workers "
                          f"(cloud VMs) cannot see: give a hub id such as Qwen/Qwen2.5-0.5B, or set shared_paths: "
                          f"true if every worker sees this path")
-    if model in TRM_PRESETS:
+    if model in kinds.trm_presets():
         return model
     if not shared and not (_HUB_ID.fullmatch(model) and model.split("/")[0] not in (".", "..")):
         raise FleetError(f"{where}: {key} {model!r} is not a hub id (owner/name), and the fleet's workers "

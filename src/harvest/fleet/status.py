@@ -5,7 +5,7 @@ first launch (no jobs controller yet) every worker is not launched; when SkyPilo
 are unknown, its error is one line under the table and the command exits 2.
 A stream whose worker has not reported for a while is stale: the command says so and exits 1.
 A training fleet (train:, sae:) shows its one job instead: step, loss, tokens/s and the last checkpoint,
-from the run's own records in its bucket (harvest.fleet.progress); stale when running but silent."""
+from the run's own records in its bucket (harvest.training.reader); stale when running but silent."""
 
 from __future__ import annotations
 
@@ -23,11 +23,14 @@ from rich.text import Text
 from harvest.console import table_console
 from harvest.errors import UserError
 from harvest.fleet.plan import Plan, Worker
-from harvest.fleet.progress import STALE_AFTER_S, TrainingProgress, read_progress
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
 from harvest.store.report import RunScanner, human_age, human_bytes, human_count, status_rows
+from harvest.training.reader import TrainingRun, read_training
+
+# A running trainer that has logged nothing for this long is stale (a hung host, a stuck collective).
+STALE_AFTER_S = 30 * 60
 
 # A worker's state from its job's ManagedJobStatus (sky/jobs/state.py); every FAILED_* status is "failed".
 _STATES = {"PENDING": "pending", "SUBMITTED": "pending", "STARTING": "pending", "RUNNING": "running",
@@ -103,7 +106,7 @@ class FleetStatus:
 class TrainingStatus:
     plan: Plan
     job: JobRecord | None
-    progress: TrainingProgress
+    progress: TrainingRun
     build: JobRecord | None  # the puzzles build's job, where the fleet has one
     now: float
     error: str | None = None  # SkyPilot's, in one line
@@ -125,7 +128,7 @@ class TrainingStatus:
 def training_status(plan: Plan, jobs: Jobs, *, now: float | None = None) -> TrainingStatus:
     queue = Queue.read(jobs)
     (worker,) = plan.workers
-    return TrainingStatus(plan, queue.jobs.get(worker.job_name), read_progress(worker.group.out),
+    return TrainingStatus(plan, queue.jobs.get(worker.job_name), read_training(worker.group.out),
                           queue.jobs.get(plan.build.job_name) if plan.build else None, now or time.time(), queue.error)
 
 

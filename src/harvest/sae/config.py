@@ -1,34 +1,28 @@
-"""SaeConfig: every setting of `harvest sae train`, from a YAML file and flags (flags win), validated with
-one-line errors (the machinery of harvest.config, as TrainConfig uses it)."""
+"""SaeConfig: the settings of `harvest sae train` on top of the runtime's, from a YAML file and flags (flags win),
+validated with one-line errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
-from harvest.config import ConfigError, RunSettings, check_settings, setting, str_list
+from harvest.config import ConfigError, check_settings, setting, str_list
 from harvest.model.points import from_tl_hook
 from harvest.store.format import tensor_name
-from harvest.train.config import TrainConfig
+from harvest.training.config import RuntimeConfig, compute_dtype_setting, like, param_dtype_setting
 
-_TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
 ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
 DEFAULT_MAX_NORM = 10.0  # --max-norm's default R (bench/outliers.py; README "Massive activations")
 
 
-def _like_train(name: str, default: Any, help: str | None = None):
-    meta = _TRAIN[name]
-    return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
-
-
-@dataclasses.dataclass(frozen=True)
-class SaeConfig(RunSettings):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaeConfig(RuntimeConfig):
     run: list[str] = setting("harvest run URL(s) to train on, a YAML list or comma-separated (every batch takes "
                              "equal parts of each)")
     tensors: list[str] = setting("tensor(s) of the run, a YAML list or comma-separated, e.g. resid_post.12 (or its "
                                  "TransformerLens name blocks.12.hook_resid_post); one SAE each, all in one pass")
-    out: str = setting("the SAE run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
+    out: str = like(RuntimeConfig, "out", help="the SAE run's URL (checkpoints, metrics, run.json): a local "
+                                               "directory, gs:// or s3://")
     architecture: str = setting("activation and sparsity penalty", "topk", choices=ARCHITECTURES)
     latents: int | None = setting("latents per SAE (default: --expansion x the tensor's width)", None, minimum=1)
     expansion: int = setting("latents as a multiple of the width, when --latents is not given", 16, minimum=1)
@@ -73,22 +67,13 @@ class SaeConfig(RunSettings):
                                  minimum=0)
     holdout_streams: int = setting("streams of the run left out of training, chosen by --seed, for `sae eval`", 0,
                                    minimum=0)
-    mesh: str | None = setting("data=..,fsdp=..,model=.. : latents over model, the batch over data x fsdp "
-                               "(default: every device on data)", None)
-    param_dtype: str = _like_train("param_dtype", "float32")
-    compute_dtype: str | None = _like_train("compute_dtype", None)
-    checkpoint_every: int = _like_train("checkpoint_every", 1000)
-    keep: int = _like_train("keep", 3)
+    mesh: str | None = like(RuntimeConfig, "mesh", help="data=..,fsdp=..,model=.. : latents over model, the batch "
+                                                         "over data x fsdp (default: every device on data)")
+    param_dtype: str = param_dtype_setting()
+    compute_dtype: str | None = compute_dtype_setting()
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
-    log_every: int = _like_train("log_every", 100)
-    log_to: str | None = _like_train("log_to", None)
     eval_every: int = setting("every this many steps: fvu, l0 and dead fraction on up to 8 batches of the "
                               "held-out streams (--holdout-streams), logged as eval_*; 0 = off", 0, minimum=0)
-    coordinator: str | None = _like_train("coordinator", None)
-    num_processes: int | None = _like_train("num_processes", None)
-    process_id: int | None = _like_train("process_id", None)
-    peer_timeout: int = _like_train("peer_timeout", 60)
-    no_compile_cache: bool = _like_train("no_compile_cache", False)
 
     # Settings a resumed run must keep: they decide which data and which SAEs the checkpoint holds.
     RUN_FIELDS = ("run", "tensors", "architecture", "latents", "expansion", "k", "batch_tokens", "normalize",

@@ -20,8 +20,8 @@ from harvest.errors import UserError
 from harvest.model.points import tl_hook_of_tensor
 from harvest.sae import model as M
 from harvest.storage import Storage
-from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
-from harvest.train.runlog import read_run
+from harvest.training.checkpoint import CHECKPOINTS, Checkpoints
+from harvest.training.record import read_run
 
 FORMATS = ("saelens", "sparsify")
 SAELENS_FORMAT = "6.0.0"  # the cfg.json layout written (metadata apart); without it SAELens drops the metadata

@@ -19,7 +19,7 @@ from harvest.model.attention import resolve
 from harvest.model.config import ModelConfig
 from harvest.model.init import param_shardings
 from harvest.runtime.mesh import constrainer, logical_sharding
-from harvest.train.loss import loss_sum, target_mask
+from harvest.decoder.loss import loss_sum, target_mask
 
 
 def state_shardings(optimizer: optax.GradientTransformation, cfg: ModelConfig, mesh: Mesh, params_shape) -> dict:

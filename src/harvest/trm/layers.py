@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from harvest.train.trm.config import TrmConfig
+from harvest.trm.hparams import TrmConfig
 
 # std of a standard normal truncated to [-2, 2]: dividing by it makes the truncated draw's std the one asked.
 _TRUNC_STD = math.sqrt(1 - 4 * math.exp(-2) / math.sqrt(2 * math.pi) / math.erf(math.sqrt(2)))

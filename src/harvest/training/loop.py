@@ -4,12 +4,31 @@ all of them so that they save the same step together and stop. One copy, so the 
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Callable
 
-from harvest.runtime import distributed
+from harvest.runtime import distributed, sigterm
 from harvest.runtime.sigterm import Interrupted
-from harvest.train.checkpoint import Checkpoints
-from harvest.train.runlog import SigtermFlag
+from harvest.training.checkpoint import Checkpoints
+
+# Tests: after this step the loop waits for SIGTERM, so a test's signal lands short of the end by construction.
+HOLD_AT = "HARVEST_TRAIN_HOLD_AT_STEP"
+
+
+class SigtermFlag(sigterm.SigtermFlag):
+    """harvest.runtime.sigterm's flag (the loop saves and stops at the next step), and the tests' hold."""
+
+    def __enter__(self):
+        self._hold_at = int(os.environ.get(HOLD_AT, -1))
+        return super().__enter__()
+
+    def hold(self, step: int) -> None:
+        """At the step HARVEST_TRAIN_HOLD_AT_STEP names, wait for SIGTERM (tests)."""
+        if step == self._hold_at:
+            print(f"holding at step {step} until SIGTERM ({HOLD_AT})", flush=True)
+            while not self.raised:
+                time.sleep(0.02)
 
 
 def run_steps(step: int, steps: int, advance: Callable[[int], None], save: Callable[[int], None], *,
@@ -19,7 +38,7 @@ def run_steps(step: int, steps: int, advance: Callable[[int], None], save: Calla
     SIGTERM while `advance` waits for data, harvest.runtime.sigterm.sleep, saves the step reached before it).
     A starting point no checkpoint holds (`saved_at` differs, e.g. --steps 0) is saved too. Then the saves are
     waited for and every process meets at the barrier `name`. Returns the step reached."""
-    with SigtermFlag() as sigterm, distributed.peers_watched():
+    with SigtermFlag() as flag, distributed.peers_watched():
         while step < steps:
             try:
                 advance(step + 1)
@@ -30,8 +49,8 @@ def run_steps(step: int, steps: int, advance: Callable[[int], None], save: Calla
                 saved_at = step
                 break
             step += 1
-            sigterm.hold(step)
-            preempted = distributed.any_true(sigterm.raised)
+            flag.hold(step)
+            preempted = distributed.any_true(flag.raised)
             if preempted or step % every == 0 or step == steps:
                 save(step)
                 saved_at = step

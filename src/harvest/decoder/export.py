@@ -17,8 +17,8 @@ from harvest.errors import UserError
 from harvest.model.config import ModelConfig
 from harvest.model.weights import to_hf
 from harvest.storage import Storage
-from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
-from harvest.train.runlog import read_run
+from harvest.training.checkpoint import CHECKPOINTS, Checkpoints
+from harvest.training.record import read_run
 
 MAX_SHARD_BYTES = 5 * 10**9
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -47,7 +47,7 @@ def export(run_url: str, out_dir: str | Path, step: int | None = None,
         out = Path(out_dir)
         if out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out}: exists and is not empty; give a new directory")
-        model = ModelConfig.from_hf(info["hf_config"], "run.json hf_config")
+        model = ModelConfig.from_hf(info.hf_config, "run.json hf_config")
         params = jax.device_get(checkpoints.restore_params(step))
     finally:
         checkpoints.close()
@@ -55,11 +55,11 @@ def export(run_url: str, out_dir: str | Path, step: int | None = None,
     out.mkdir(parents=True, exist_ok=True)
     files = _write_safetensors(tensors, out, max_shard_bytes)
     dtype = str(next(iter(tensors.values())).dtype)
-    hf_config = {**info["hf_config"], "architectures": [ARCHITECTURES[model.model_type]],
+    hf_config = {**info.hf_config, "architectures": [ARCHITECTURES[model.model_type]],
                  "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": dtype}
     hf_config.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    tokenizer = Path(info.get("tokenizer") or "")
+    tokenizer = Path(info.tokenizer or "")
     copied = [name for name in TOKENIZER_FILES if (tokenizer / name).is_file()]
     for name in copied:
         shutil.copyfile(tokenizer / name, out / name)

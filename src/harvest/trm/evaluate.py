@@ -23,10 +23,10 @@ from harvest.puzzles.common import inverse_dihedral
 from harvest.puzzles.format import PuzzleDataset, open_puzzles
 from harvest.runtime.mesh import make_mesh
 from harvest.storage import Storage
-from harvest.train.checkpoint import CHECKPOINTS, Checkpoints, abstract
-from harvest.train.runlog import read_run
-from harvest.train.trm.config import TrmConfig, TrmOptim
-from harvest.train.trm.step import batch_shardings, predict_fn, replicated
+from harvest.training.checkpoint import CHECKPOINTS, Checkpoints, abstract
+from harvest.training.record import read_run
+from harvest.trm.hparams import TrmConfig, TrmOptim
+from harvest.trm.step import batch_shardings, predict_fn, replicated
 
 EVAL_ROWS = 256  # examples per predict call (rounded up to the devices)
 PASS_KS = (1, 2, 5, 10)
@@ -34,10 +34,10 @@ PASS_KS = (1, 2, 5, 10)
 
 def load_run(run_url: str) -> tuple[dict, TrmConfig, TrmOptim, int, dict]:
     """(run.json, model, optimizer, step, state) of a TRM run's newest checkpoint, on this process's devices."""
-    from harvest.train.trm.job import KIND, state_shapes
+    from harvest.trm.trainer import TrmTrainer, state_shapes
 
     out = Storage(run_url)
-    record = read_run(out, KIND, "a TRM training run")
+    record = read_run(out, TrmTrainer.kind, TrmTrainer.what)
     if record is None:
         raise UserError(f"{out.url}: not a TRM training run (no run.json)")
     info = record.to_json()

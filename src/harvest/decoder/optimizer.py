@@ -1,5 +1,5 @@
 """AdamW with warmup, a decay schedule and global-norm clipping (optax). Accumulation happens in the
-step (train/step.py), so one optimizer update is one training step and the schedule counts steps."""
+step (decoder/step.py), so one optimizer update is one training step and the schedule counts steps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from harvest.train.config import TrainConfig
+from harvest.decoder.config import TrainConfig
 
 
 def learning_rate(cfg: TrainConfig):

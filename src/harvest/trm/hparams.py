@@ -1,11 +1,8 @@
-"""TRM settings: the model's shape and recursion (TrmConfig), its optimizers (TrmOptim), and the presets that
-reproduce the paper's runs ("Less is More: Recursive Reasoning with Tiny Networks", Jolicoeur-Martineau 2025,
-arXiv 2510.04871) with the reference code's hyperparameters (SamsungSAILMontreal/TinyRecursiveModels,
-config/arch/trm.yaml, config/cfg_pretrain.yaml and the README's commands).
-
-The dataset fixes vocab_size, seq_len and num_puzzle_identifiers: `for_dataset` fills them from a built
-puzzle dataset's marker (harvest.puzzles.format.DatasetInfo).
-"""
+"""The TRM's hyperparameters (the model's; its command's settings are config.py's): the shape and recursion
+(TrmConfig), the optimizers (TrmOptim), and the presets that reproduce the paper's runs ("Less is More:
+Recursive Reasoning with Tiny Networks", Jolicoeur-Martineau 2025, arXiv 2510.04871) with the reference code's
+hyperparameters (SamsungSAILMontreal/TinyRecursiveModels). The dataset fixes vocab_size, seq_len and
+num_puzzle_identifiers: `for_dataset` fills them from a built puzzle dataset's marker."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from harvest.train.trm.config import TrmOptim
+from harvest.trm.hparams import TrmOptim
 
 
 def warmup_then_constant(peak: float, warmup: int) -> Callable:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from harvest.train.trm.config import TrmConfig
+from harvest.trm.hparams import TrmConfig
 
 DATA = ("inputs", "labels", "puzzle_identifiers")
 

@@ -15,8 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from harvest.train.trm.config import TrmConfig
-from harvest.train.trm.layers import block, dense, init_block, rope_tables, trunc_normal
+from harvest.trm.hparams import TrmConfig
+from harvest.trm.layers import block, dense, init_block, rope_tables, trunc_normal
 
 
 def init_params(cfg: TrmConfig, key: jax.Array) -> dict:

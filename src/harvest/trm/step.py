@@ -15,11 +15,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from harvest.runtime.mesh import logical_sharding
-from harvest.train.trm.carry import empty_carry, halt, reset
-from harvest.train.trm.config import TrmConfig, TrmOptim
-from harvest.train.trm.loss import act_loss
-from harvest.train.trm.model import forward, init_params, init_puzzle_table, init_states
-from harvest.train.trm.optim import ema_update, make_weights_optimizer, sparse_sign_sgd, warmup_then_constant
+from harvest.trm.carry import empty_carry, halt, reset
+from harvest.trm.hparams import TrmConfig, TrmOptim
+from harvest.trm.loss import act_loss
+from harvest.trm.model import forward, init_params, init_puzzle_table, init_states
+from harvest.trm.optim import ema_update, make_weights_optimizer, sparse_sign_sgd, warmup_then_constant
 
 
 def init_state(cfg: TrmConfig, optim: TrmOptim, seed: int) -> dict:

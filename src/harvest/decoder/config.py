@@ -1,27 +1,16 @@
-"""TrainConfig: every setting of `harvest train`, from a YAML file and flags (flags win), validated with
-one-line errors. The same dataclass machinery as ExtractConfig (harvest.config.build)."""
+"""TrainConfig: the settings of `harvest train` (a decoder) on top of the runtime's, from a YAML file and flags
+(flags win), validated with one-line errors."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, RunSettings, check_settings, setting
-from harvest.train.curves import LOG_TO
-
-_EXTRACT = {f.name: f.metadata for f in dataclasses.fields(ExtractConfig)}
+from harvest.config import ATTENTION_HELP, ConfigError, ExtractConfig, check_settings, setting
+from harvest.training.config import RuntimeConfig, compute_dtype_setting, like, param_dtype_setting
 
 
-def _like_extract(name: str, default: Any, help: str | None = None):
-    """The setting `harvest extract` has under the same name: same help and choices."""
-    meta = _EXTRACT[name]
-    return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig(RunSettings):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig(RuntimeConfig):
     data: str = setting("a streams directory (holding streams.json) or a source: file, glob, gs://, s3://")
-    out: str = setting("the run's URL (checkpoints, metrics, run.json): a local directory, gs:// or s3://")
     model: str | None = setting("HF checkpoint directory, hub id or GGUF (a .gguf file or URL, or a directory "
                                 "holding one) to start from (or --shape); or a TRM: a preset "
                                 "(trm-sudoku-mlp, trm-maze, trm-arc) or {type: trm, preset: ..., overrides} (YAML, or "
@@ -29,9 +18,9 @@ class TrainConfig(RunSettings):
     shape: dict | None = setting("start from scratch: a config.json's fields as a JSON object or JSON file "
                                  "(model_type, sizes, ...)", None)
     tokenizer: str | None = setting("tokenizer checkpoint directory or hub id (default: --model's)", None)
-    format: str = _like_extract("format", "text")
-    text_field: str = _like_extract("text_field", "text")
-    long: str = _like_extract("long", "chunk", "samples longer than --seq-len, always counted")
+    format: str = like(ExtractConfig, "format", "text")
+    text_field: str = like(ExtractConfig, "text_field", "text")
+    long: str = like(ExtractConfig, "long", "chunk", "samples longer than --seq-len, always counted")
     seq_len: int = setting("tokens per packed row", 2048, minimum=2)
     batch_size: int = setting("global packed rows per optimizer step", 8, minimum=1)
     steps: int = setting("train until this many steps", 1000, minimum=0)
@@ -44,26 +33,16 @@ class TrainConfig(RunSettings):
     b2: float = setting("AdamW beta2 (0..1)", 0.95, minimum=0)
     grad_clip: float = setting("clip gradients to this global norm, 0 = off", 1.0, minimum=0)
     grad_accum: int = setting("micro-batches per step, gradients accumulated", 1, minimum=1)
-    mesh: str | None = setting("1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every device on fsdp)", None)
-    param_dtype: str = setting("master params and optimizer state", "float32", choices=("float32", "bfloat16"))
-    compute_dtype: str | None = _like_extract("compute_dtype", None)
+    mesh: str | None = like(RuntimeConfig, "mesh", help="1d | 2d | 3d | data=..,fsdp=..,model=.. (default: every "
+                                                         "device on fsdp)")
+    param_dtype: str = param_dtype_setting()
+    compute_dtype: str | None = compute_dtype_setting()
     remat: str = setting("recompute in the backward pass", "layer", choices=("none", "layer", "dots"))
-    attention: str = _like_extract("attention", "auto",
-                                   ATTENTION_HELP.format(cpu="dense on CPU (blocks has no backward pass)"))
-    checkpoint_every: int = setting("save a checkpoint every N steps", 100, minimum=1)
-    keep: int = setting("checkpoints to keep", 3, minimum=1)
+    attention: str = like(ExtractConfig, "attention", "auto",
+                          ATTENTION_HELP.format(cpu="dense on CPU (blocks has no backward pass)"))
+    checkpoint_every: int = like(RuntimeConfig, "checkpoint_every", 100)
     seed: int = setting("seed of a from-scratch init", 0, minimum=0)
-    log_every: int = setting("metrics every N steps", 10, minimum=1)
-    log_to: str | None = setting("also send process 0's metrics (those of RUN/metrics.jsonl) to Weights & Biases "
-                                 "(project $WANDB_PROJECT, default harvest; a resumed run continues the same W&B "
-                                 "run, its id kept in run.json) or to TensorBoard (RUN/tensorboard/, one event file a "
-                                 "resumed run continues); needs the logging extra (pip install -e '.[logging]' in harvest's checkout)", None,
-                                 choices=LOG_TO)
-    coordinator: str | None = _like_extract("coordinator", None)
-    num_processes: int | None = _like_extract("num_processes", None)
-    process_id: int | None = _like_extract("process_id", None)
-    peer_timeout: int = _like_extract("peer_timeout", 60)
-    no_compile_cache: bool = _like_extract("no_compile_cache", False)
+    log_every: int = like(RuntimeConfig, "log_every", 10)
 
     # Settings a resumed run must keep: they decide which data and which model the checkpoint holds.
     RUN_FIELDS = ("model", "shape", "tokenizer", "data", "format", "text_field", "long", "seq_len", "batch_size",

@@ -1,8 +1,7 @@
-"""The settings of `harvest train` when its model is a TRM: `model: {type: trm, preset: NAME, ...}` (YAML, or
---model as a JSON object, or --model NAME for a preset as it is) and the runtime settings the decoder trainer
-has under the same names. The TRM's own settings are TrmConfig's and TrmOptim's fields, described there once;
-the model mapping overrides any of them. A decoder-only setting given with a TRM is refused, not ignored.
-"""
+"""TrmTrainConfig: the settings of `harvest train` when its model is a TRM, on top of the runtime's: `model:
+{type: trm, preset: NAME, ...}` (YAML, or --model as a JSON object, or --model NAME for a preset as it is). The
+TRM's own settings are the fields of hparams.TrmConfig and TrmOptim, described there once; the model mapping
+overrides any of them. A decoder-only setting given with a TRM is refused, not ignored."""
 
 from __future__ import annotations
 
@@ -11,43 +10,26 @@ import json
 from typing import Any
 
 from harvest import config as C
-from harvest.config import ConfigError, RunSettings, check_settings, setting
-from harvest.train.config import TrainConfig
-from harvest.train.trm.config import PRESETS, Preset, TrmConfig, TrmOptim
+from harvest.config import ConfigError, check_settings, setting
+from harvest.training.config import RuntimeConfig, like
+from harvest.trm.hparams import PRESETS, Preset, TrmConfig, TrmOptim
 
-_TRAIN = {f.name: f.metadata for f in dataclasses.fields(TrainConfig)}
 DATASET_FIELDS = ("vocab_size", "seq_len", "num_puzzle_identifiers", "ignore_label_id")  # for_dataset fills them
 MODEL_KEYS = {f.name: f for f in dataclasses.fields(TrmConfig) if f.name not in DATASET_FIELDS}
 OPTIM_KEYS = {f.name: f for f in dataclasses.fields(TrmOptim) if f.name != "batch_size"}
 
 
-def _like_train(name: str, default: Any, help: str | None = None):
-    meta = _TRAIN[name]
-    return setting(help or meta["help"], default, choices=meta["choices"], minimum=meta["minimum"])
-
-
-@dataclasses.dataclass(frozen=True)
-class TrmTrainConfig(RunSettings):
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrmTrainConfig(RuntimeConfig):
     model: dict = setting("the TRM: {type: trm, preset: " + " | ".join(PRESETS) + ", and any TrmConfig or TrmOptim "
                           "field (H_cycles, hidden, lr, ema_rate, ...) as an override}")
     data: str = setting("a puzzle dataset made by `harvest puzzles build`: a local directory, gs:// or s3://")
-    out: str = _like_train("out", dataclasses.MISSING)
     batch_size: int = setting("global examples per step (the reference: 768)", 768, minimum=1)
     steps: int | None = setting("train until this many steps (default: the preset's epochs over the dataset, as the "
                                 "reference counts them)", None, minimum=0)
-    mesh: str | None = setting("data=..,fsdp=.. : the batch and the carry split over data x fsdp, the TRM "
-                               "replicated (default: every device on data)", None)
-    checkpoint_every: int = _like_train("checkpoint_every", 1000)
-    keep: int = _like_train("keep", 3)
+    mesh: str | None = like(RuntimeConfig, "mesh", help="data=..,fsdp=.. : the batch and the carry split over data x "
+                                                         "fsdp, the TRM replicated (default: every device on data)")
     seed: int = setting("seed of the init, the halting exploration and the batches' order", 0, minimum=0)
-    log_every: int = _like_train("log_every", 100)
-    log_to: str | None = _like_train("log_to", None)
-    coordinator: str | None = _like_train("coordinator", None)
-    num_processes: int | None = _like_train("num_processes", None)
-    process_id: int | None = _like_train("process_id", None)
-    peer_timeout: int = _like_train("peer_timeout", 60)
-    no_compile_cache: bool = _like_train("no_compile_cache", False)
-
 
     def preset(self) -> Preset | None:
         name = self.model.get("preset")

@@ -6,7 +6,7 @@ are asynchronous (training goes on while they land), every `checkpoint_every` st
 Hosts may share no filesystem, so orbax never writes the run itself: it saves into a local staging
 directory of each process, and once orbax has finished step S each process uploads, in a background
 thread, the files it wrote for S as its part of the step, through Storage, then its marker
-(train/step_parts.py: a step is complete when every process's marker of one attempt is there; nobody
+(training/step_parts.py: a step is complete when every process's marker of one attempt is there; nobody
 waits for anybody). The same holds for a local path, so one protocol, with its checks, serves every URL.
 At most one upload is in flight: the next save waits for it, and so do SIGTERM and the end of a run.
 Process 0 then prunes complete steps beyond `keep`. A restore (a fresh machine) downloads the newest
@@ -42,7 +42,7 @@ import orbax.checkpoint as ocp
 
 from harvest.errors import UserError
 from harvest.runtime import cache, distributed
-from harvest.train import step_parts
+from harvest.training import step_parts
 from harvest.storage import Storage
 
 CHECKPOINTS = "checkpoints"
