@@ -19,14 +19,30 @@ os.environ["HARVEST_CACHE"] = tempfile.mkdtemp(prefix="harvest-cache-")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path[1:1] = [str(d) for d in sorted(Path(__file__).parent.iterdir()) if d.is_dir() and d.name[0] not in "._"]  # INTERIM (issue 38): tests that import other tests
 
-pytest_plugins = ["storage_servers"]
+pytest_plugins = ["storage_servers", "flaky_proxy"]
 
 
 @pytest.fixture(scope="session")
 def fault_reference(tmp_path_factory):
-    """test_fencing's and test_store_holes' common ground (extract_helpers.fault_reference), built once."""
+    """tests/store/test_fencing.py's and test_store_holes.py's common ground (extract_helpers.fault_reference),
+    built once."""
     from extract_helpers import fault_reference
 
     return fault_reference(tmp_path_factory.mktemp("fault-reference"))
+
+
+@pytest.fixture(scope="session")
+def sae_source(tmp_path_factory) -> dict:
+    """The run SAEs train on (sae_helpers.extracted_source), for tests/sae and tests/training alike."""
+    from sae_helpers import extracted_source
+
+    return extracted_source(tmp_path_factory.mktemp("sae-source"))
+
+
+@pytest.fixture(scope="session")
+def sudokus(tmp_path_factory) -> dict:
+    """The TRM tests' 4x4 sudokus (trm_helpers.small_sudokus), for tests/trm and tests/training alike."""
+    from trm_helpers import small_sudokus
+
+    return small_sudokus(tmp_path_factory.mktemp("trm-source"))

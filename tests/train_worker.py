@@ -1,5 +1,5 @@
 """One optimizer step of a tiny model on a fixed batch, on any mesh; run as a script it is one process of
-the 2-process training test (tests/decoder/test_train.py).
+the 2-process training test (tests/decoder/test_sharded_step.py).
 
 argv: COORDINATOR NUM_PROCESSES PROCESS_ID OUT_DIR CKPT_DIR MESH GRAD_ACCUM
 Process 0 writes step.safetensors: the params after the step (HF names) and the step's loss and grad norm.

@@ -1,8 +1,6 @@
 """Multi-host start-up: how settings are resolved, and a real 2-process x 4-device run on CPU."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,15 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import CLUSTER_ENV, free_port, pod_env
 
 from harvest.errors import UserError
 from harvest.runtime import distributed as D
 from harvest.runtime.distributed import Settings, resolve
 
 HERE = Path(__file__).resolve().parents[1]  # the workers live beside the shared helpers, in tests/
-CLUSTER_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-               "SLURM_STEP_NUM_NODES", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_WORKER_ID",
-               "MEGASCALE_COORDINATOR_ADDRESS", "KUBERNETES_SERVICE_HOST", "OMPI_MCA_orte_hnp_uri")
 
 
 @pytest.fixture
@@ -141,15 +137,8 @@ CHECKPOINTS = {"qwen3": dict(overrides={"num_attention_heads": 8, "intermediate_
                "llama": {}}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(out: Path, ckpts: dict[str, Path], timeout_s: float = 180) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in D.ENV.values() and k not in CLUSTER_ENV}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = pod_env(4)
     args = [f"127.0.0.1:{free_port()}", "2"]
     procs, logs = [], []
     for pid in range(2):

@@ -1,7 +1,8 @@
 """Checkpoint steps in storage (harvest.train.step_parts) on local disk, GCS and S3: a step is complete only
 when every process's marker of one attempt is there, so a part left by a killed attempt is never joined with
 a later attempt's; files stream in chunks and come back checked against their markers, a damaged one
-named in one line. (Training through them, kills and damage included: tests/decoder/test_train.py.)"""
+named in one line. (Training through them, kills and damage included: tests/decoder/test_train_resume.py,
+tests/decoder/test_bucket_checkpoints.py.)"""
 
 from __future__ import annotations
 

@@ -7,39 +7,18 @@ one-line refusal that writes nothing."""
 from __future__ import annotations
 
 import json
-import signal
 import struct
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from extract_helpers import harvest_cmd, harvest_env, run_harvest
-from test_sae import source  # noqa: F401 (the SAE tests' extracted run, a fixture)
-from test_sae import train_args as sae_args
-from test_train import TINY_SHAPE, read_until
-from test_trm_train import build_sudokus
-from test_trm_train import train_args as trm_args
-
-from harvest.train.runlog import HOLD_AT
+from extract_helpers import harvest_env, run_harvest
+from preemption import preempt, resume
+from sae_helpers import train_args as sae_args
+from training_helpers import TINY_SHAPE, metrics
+from trm_helpers import train_args as trm_args
 
 STEPS = 12  # the SAE and TRM tests' runs
-
-
-def records(out: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-
-
-def preempted_then_resumed(args: list[str], env: dict, hold_at: int) -> None:
-    """The command held at `hold_at` and SIGTERMed (exit 75), then rerun to the end."""
-    proc = subprocess.Popen(harvest_cmd(*args), env={**env, HOLD_AT: str(hold_at)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    read_until(proc, f"holding at step {hold_at}")
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 75, rest
-    done = run_harvest(*args, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def wandb_history(run_file: Path) -> tuple[str, list[dict]]:
@@ -75,18 +54,13 @@ def event_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-@pytest.fixture(scope="module")
-def sudokus(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("curves-trm")
-    env = {**harvest_env(root / "cache"), "JAX_COMPILATION_CACHE_DIR": str(root / "xla-cache")}
-    return {"data": build_sudokus(root / "sudoku4", 4, 200, 2, 50), "env": env}
-
-
 @pytest.mark.slow
 def test_a_preempted_trm_run_continues_its_wandb_run(sudokus, tmp_path):
     out = tmp_path / "run"
     env = {**sudokus["env"], "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_PROJECT": "harvest-test"}
-    preempted_then_resumed(trm_args(sudokus["data"], str(out), log_to="wandb"), env, hold_at=5)
+    args = trm_args(sudokus["data"], str(out), log_to="wandb")
+    preempt(args, env, hold_at=5)
+    resume(args, env, after=5)
     run_id = json.loads((out / "run.json").read_text())["run_id"]
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
@@ -94,17 +68,19 @@ def test_a_preempted_trm_run_continues_its_wandb_run(sudokus, tmp_path):
     assert [h[0] for h in histories] == [run_id, run_id]
     rows = [row for _, h in histories for row in h]
     assert [r["_step"] for r in rows] == list(range(1, STEPS + 1))
-    for row, record in zip(rows, records(out)):
+    for row, record in zip(rows, metrics(out)):
         for key in ("loss", "exact_accuracy", "accuracy", "lr", "tokens_per_s"):
             assert row[key] == pytest.approx(record[key], rel=1e-12), key
 
 
 @pytest.mark.slow
-def test_a_preempted_sae_run_continues_its_event_file(source, tmp_path):  # noqa: F811
+def test_a_preempted_sae_run_continues_its_event_file(sae_source, tmp_path):
     out = tmp_path / "sae"
-    preempted_then_resumed(sae_args(source, str(out), log_to="tensorboard"), source["env"], hold_at=7)
+    args = sae_args(sae_source, str(out), log_to="tensorboard")
+    preempt(args, sae_source["env"], hold_at=7)
+    resume(args, sae_source["env"], after=7)
     assert [p.name for p in (out / "tensorboard").iterdir()] == ["events.out.tfevents.0.harvest"]
-    curves, written = event_scalars(out / "tensorboard"), records(out)
+    curves, written = event_scalars(out / "tensorboard"), metrics(out)
     for key in ("fvu", "l0", "dead_fraction", "aux_loss", "tokens_per_s", "tensors/resid_post.1/fvu"):
         steps, values = zip(*curves[key])
         assert list(steps) == list(range(1, STEPS + 1)), key
@@ -135,4 +111,4 @@ def test_the_decoder_trainer_logs_to_tensorboard_and_a_missing_package_is_refuse
     assert done.returncode == 0, done.stderr[-3000:]
     curves = event_scalars(out / "tensorboard")
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
-        assert curves[key] == [(r["step"], pytest.approx(np.float32(r[key]), rel=1e-6)) for r in records(out)], key
+        assert curves[key] == [(r["step"], pytest.approx(np.float32(r[key]), rel=1e-6)) for r in metrics(out)], key

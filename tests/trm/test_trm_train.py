@@ -9,52 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from extract_helpers import harvest_cmd, harvest_env, run_harvest
-from test_distributed import free_port
-from test_train import read_until, run_processes, two_process_env
-
-# A tiny TRM on 4x4 sudokus: 3 supervision steps at most (the carry lives across steps, halting explores), EMA on.
-TINY = {"type": "trm", "preset": "trm-sudoku-mlp", "hidden": 16, "expansion": 2, "H_cycles": 2, "L_cycles": 1,
-        "halt_max_steps": 3, "puzzle_emb_ndim": 16, "puzzle_emb_len": 1, "lr": 3e-3, "warmup": 2,
-        "puzzle_emb_lr": 1e-2, "ema_rate": 0.9}
-STEPS = 12
-
-
-def train_args(data: str, out: str, model: dict = TINY, **more) -> list[str]:
-    settings = {"batch_size": 16, "steps": STEPS, "checkpoint_every": 3, "log_every": 1, **more}
-    return ["train", "--model", json.dumps(model), "--data", data, "--out", out,
-            *(f"--{k.replace('_', '-')}={v}" for k, v in settings.items())]
-
-
-def build_sudokus(out: Path, size: int, count: int, augment: int, test_size: int) -> str:
-    from harvest.puzzles.build import build_puzzles
-    from harvest.puzzles.config import PuzzlesConfig
-
-    build_puzzles("sudoku", PuzzlesConfig(out=str(out), generate=count, size=size, augment=augment,
-                                          test_size=test_size))
-    return str(out)
+from preemption import kill_hold_resume, preempt, resume
+from processes import free_port, run_processes, two_process_env
+from training_helpers import assert_trees_close, metrics
+from trm_helpers import STEPS, TINY, build_sudokus, train_args
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory) -> dict:
-    """200 generated 4x4 sudokus (x3 with augmentations) and an env for harvest subprocesses (2 devices)
-    sharing a compile cache."""
-    root = tmp_path_factory.mktemp("trm-source")
-    env = {**harvest_env(root / "cache"), "JAX_COMPILATION_CACHE_DIR": str(root / "xla-cache")}
-    return {"data": build_sudokus(root / "sudoku4", 4, 200, 2, 50), "env": env, "root": root}
-
-
-@pytest.fixture(scope="module")
-def straight(source) -> str:
-    out = str(source["root"] / "straight")
-    done = run_harvest(*train_args(source["data"], out), env=source["env"])
+def straight(sudokus) -> str:
+    out = str(sudokus["root"] / "straight")
+    done = run_harvest(*train_args(sudokus["data"], out), env=sudokus["env"])
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -69,47 +38,20 @@ def restored(out: str) -> dict:
     return jax.device_get(state)
 
 
-def assert_close(ours: dict, theirs: dict, rtol: float) -> None:
-    import jax
-
-    flat_ours, flat_theirs = jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs)
-    assert len(flat_ours) == len(flat_theirs)
-    for (path, a), b in zip(flat_ours, flat_theirs):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        scale = float(np.max(np.abs(b))) if b.size else 1.0
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * (scale or 1.0), err_msg=jax.tree_util.keystr(path))
-
-
-def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(source, straight, tmp_path):
+def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(sudokus, straight, tmp_path):
     """SIGKILL at a random step, then the same command held at STEPS-1 and SIGTERMed (exit 75, a checkpoint at
     STEPS-1), then the same command to the end: the whole state and the carry equal the straight run's (1e-6);
     metrics.jsonl has every step once; status shows the run."""
     from rich.console import Console
 
     from harvest.train.status import training_status
-    from harvest.train.runlog import HOLD_AT
 
     out = str(tmp_path / "run")
-    cmd = harvest_cmd(*train_args(source["data"], out))
-    kill_at = random.Random().randint(2, STEPS - 3)
-    proc = subprocess.Popen(cmd, env=source["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    read_until(proc, f"step {kill_at}/{STEPS}")
-    proc.kill()
-    proc.wait()
-    held = {**source["env"], HOLD_AT: str(STEPS - 1)}
-    proc = subprocess.Popen(cmd, env=held, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    read_until(proc, f"holding at step {STEPS - 1}")
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 75, rest
-    assert f"step {STEPS - 1}/{STEPS} (stopped on SIGTERM" in rest, rest
-    done = run_harvest(*train_args(source["data"], out), env=source["env"])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert f"step {STEPS}/{STEPS}" in done.stdout and f"step {STEPS - 1}/" not in done.stdout, (kill_at, done.stdout)
+    kill_hold_resume(train_args(sudokus["data"], out), sudokus["env"], STEPS)
     ours, theirs = restored(out), restored(straight)
     assert {"params", "opt_state", "ema", "puzzle_emb", "carry"} <= set(ours)
-    assert_close(ours, theirs, rtol=1e-6)
-    records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert_trees_close(ours, theirs, rtol=1e-6)
+    records = metrics(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert {"loss", "exact_accuracy", "halt_step", "tokens_per_s"} <= set(records[-1])
     console = Console(width=200, record=True)
@@ -118,28 +60,17 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(source, str
     assert f"{STEPS}/{STEPS}" in text and "TRM" in text and "sudoku" in text, text
 
 
-def test_checkpoint_in_a_bucket_resumes_on_a_fresh_machine(source, straight, tmp_path, gcs_url):
+def test_checkpoint_in_a_bucket_resumes_on_a_fresh_machine(sudokus, straight, tmp_path, gcs_url):
     """SIGTERMed at step 5 with --out in a bucket, then rerun with an empty cache (no staging): it resumes
     from the bucket to the straight run's state."""
-    from harvest.train.runlog import HOLD_AT
-
-    cmd = harvest_cmd(*train_args(source["data"], gcs_url))
-    servers = {k: v for k, v in os.environ.items() if k not in source["env"]}  # the emulator's endpoint
-    env = {**source["env"], **servers, HOLD_AT: "5"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    read_until(proc, "holding at step 5")
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 75, rest
-    fresh = {**env, "HARVEST_CACHE": str(tmp_path / "another-machine")}
-    fresh.pop(HOLD_AT)
-    done = run_harvest(*train_args(source["data"], gcs_url), env=fresh)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 6/" in done.stdout and "step 5/" not in done.stdout, done.stdout
-    assert_close(restored(gcs_url), restored(straight), rtol=1e-6)
+    servers = {k: v for k, v in os.environ.items() if k not in sudokus["env"]}  # the emulator's endpoint
+    env = {**sudokus["env"], **servers}
+    preempt(train_args(sudokus["data"], gcs_url), env, hold_at=5)
+    resume(train_args(sudokus["data"], gcs_url), {**env, "HARVEST_CACHE": str(tmp_path / "another-machine")}, after=5)
+    assert_trees_close(restored(gcs_url), restored(straight), rtol=1e-6)
 
 
-def test_two_processes_equal_one_device_and_disagreeing_ones_stop(source, tmp_path):
+def test_two_processes_equal_one_device_and_disagreeing_ones_stop(sudokus, tmp_path):
     """2 processes x 4 devices (the batch and the carry over data=8) against one device: the state and the carry
     after 4 steps agree to 1e-5 (AdamATan2's moments, gradients, to 2e-4 of their scale), and so do the losses.
     Then the 2 processes with different settings: both exit 2, nothing written.
@@ -154,22 +85,21 @@ def test_two_processes_equal_one_device_and_disagreeing_ones_stop(source, tmp_pa
 
     def processes(out: str, models: list[dict]) -> list[int]:
         address = f"127.0.0.1:{free_port()}"
-        return run_processes([harvest_cmd(*train_args(source["data"], out, model, **settings), "--coordinator",
+        return run_processes([harvest_cmd(*train_args(sudokus["data"], out, model, **settings), "--coordinator",
                                           address, "--num-processes", "2", "--process-id", str(pid))
                               for pid, model in enumerate(models)], two_process_env(tmp_path), tmp_path)
 
     codes = processes(two, [tiny, tiny])
     assert codes == [0, 0], [(tmp_path / f"process{i}.log").read_text()[-3000:] for i in range(2)]
     one = str(tmp_path / "one")
-    done = run_harvest(*train_args(source["data"], one, tiny, **settings),
-                       env={**source["env"], "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    done = run_harvest(*train_args(sudokus["data"], one, tiny, **settings),
+                       env={**sudokus["env"], "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
     assert done.returncode == 0, done.stderr[-3000:]
     ours, theirs = restored(two), restored(one)
     # AdamATan2's moments are raw gradients, sums with cancellation: their last bits follow the summation order.
-    assert_close(ours.pop("opt_state"), theirs.pop("opt_state"), rtol=2e-4)
-    assert_close(ours, theirs, rtol=1e-5)
-    losses = [[json.loads(line)["loss"] for line in Path(out, "metrics.jsonl").read_text().splitlines()]
-              for out in (two, one)]
+    assert_trees_close(ours.pop("opt_state"), theirs.pop("opt_state"), rtol=2e-4)
+    assert_trees_close(ours, theirs, rtol=1e-5)
+    losses = [[r["loss"] for r in metrics(out)] for out in (two, one)]
     np.testing.assert_allclose(*losses, rtol=1e-5)
     assert len(losses[0]) == 4
 
@@ -181,22 +111,22 @@ def test_two_processes_equal_one_device_and_disagreeing_ones_stop(source, tmp_pa
     assert not Path(differ).exists()
 
 
-def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, capsys):
+def test_bad_input_is_one_line_exit_2_and_nothing_written(sudokus, tmp_path, capsys):
     from harvest.cli import main
 
     out = tmp_path / "out"
     base = ["train", "--out", str(out), "--steps", "4"]
     model = json.dumps(TINY)
     cases = [
-        (["--model", model, "--data", source["data"], "--mesh", "data=3"], "3 devices, but there are 8"),
-        (["--model", model, "--data", source["data"], "--mesh", "model=8"], "a TRM is replicated"),
-        (["--model", model, "--data", source["data"], "--batch-size", "12"], "not a multiple of the mesh's 8"),
-        (["--model", model, "--data", source["data"], "--batch-size", "4096"], "has only 200 examples"),
-        (["--model", json.dumps({**TINY, "preset": "trm-sudoku"}), "--data", source["data"]],
+        (["--model", model, "--data", sudokus["data"], "--mesh", "data=3"], "3 devices, but there are 8"),
+        (["--model", model, "--data", sudokus["data"], "--mesh", "model=8"], "a TRM is replicated"),
+        (["--model", model, "--data", sudokus["data"], "--batch-size", "12"], "not a multiple of the mesh's 8"),
+        (["--model", model, "--data", sudokus["data"], "--batch-size", "4096"], "has only 200 examples"),
+        (["--model", json.dumps({**TINY, "preset": "trm-sudoku"}), "--data", sudokus["data"]],
          "unknown TRM preset 'trm-sudoku'"),
-        (["--model", json.dumps({**TINY, "H_cycle": 2}), "--data", source["data"]], "unknown TRM settings H_cycle"),
-        (["--model", json.dumps({**TINY, "H_cycles": 0}), "--data", source["data"]], "--H-cycles 0: must be at least"),
-        (["--model", model, "--data", source["data"], "--lr", "0.1"], "--lr: not a TRM setting"),
+        (["--model", json.dumps({**TINY, "H_cycle": 2}), "--data", sudokus["data"]], "unknown TRM settings H_cycle"),
+        (["--model", json.dumps({**TINY, "H_cycles": 0}), "--data", sudokus["data"]], "--H-cycles 0: must be at least"),
+        (["--model", model, "--data", sudokus["data"], "--lr", "0.1"], "--lr: not a TRM setting"),
         (["--model", model, "--data", str(tmp_path)], "no complete puzzle dataset there"),
     ]
     for args, message in cases:
