@@ -86,7 +86,8 @@ def release_when(condition, release: Path, timeout: float = 300) -> None:
     release.touch()
 
 
-# The fault tests' extraction (test_fencing, test_store_holes): 3 streams of 240 records, small shards.
+# The fault tests' extraction (tests/store/test_fencing.py, tests/store/test_store_holes.py): 3 streams of 240
+# records, small shards.
 FAULT_SETTINGS = ("--points", "resid_post:1-3,mlp_out:2", "--max-seq-len", "128", "--long", "chunk",
                   "--batch-size", "2", "--shard-size", "160KB")
 

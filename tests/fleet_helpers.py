@@ -1,4 +1,5 @@
-"""Helpers for the fleet tests: the users' four-region fleet, and SkyPilot's job queue as recorded records.
+"""Helpers for the fleet tests: the users' four-region fleet, SkyPilot's job queue as recorded records, the
+CLI run in this process, emitted tasks loaded by SkyPilot itself and a task's command run as one host would.
 The fleets here name neither install nor image, as the README's do: their tasks carry this checkout's wheel.
 
 RecordedJobs stands in for the one boundary no test can reach (SkyPilot's API server and a cloud): it holds
@@ -8,13 +9,20 @@ to harvest.fleet.sky for parsing, exactly as SkyJobs does; a launch queues a PEN
 
 from __future__ import annotations
 
+import copy
 import itertools
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
-from harvest.fleet.sky import records_from_queue
+from harvest.cli import main
+from harvest.errors import UserError
+from harvest.fleet.sky import records_from_queue, skypilot_python
 
 FOUR_REGIONS = {
     "name": "arc-qwen05",
@@ -100,3 +108,65 @@ SAE_GPUS = {
     "groups": [{"name": "h100s", "accelerator": "H100:8", "num_nodes": 2, "regions": ["us-east4"], "workers": 1,
                 "spot": False, "mesh": "data=2,model=8", "out": "gs://saes-us/qwen05"}],
 }
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """The real CLI in this process (plan needs no cloud): (exit code, stdout, stderr)."""
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# Run in SkyPilot's own interpreter (it cannot share harvest's environment, see harvest.fleet.sky).
+_LOAD_TASKS = r"""
+import json, sys
+import sky
+out = []
+for path in sys.argv[1:]:
+    task = sky.Task.from_yaml(path)
+    out.append({"name": task.name, "num_nodes": task.num_nodes, "setup": task.setup, "run": task.run,
+                "file_mounts": task.file_mounts,
+                "envs": task.envs, "secrets": [ref.name for ref in task.managed_secret_refs], "resources": [
+                    {"accelerators": r.accelerators, "use_spot": r.use_spot, "region": r.region,
+                     "job_recovery": r.job_recovery} for r in task.resources]})
+print(json.dumps(out))
+"""
+
+
+def skypilot_or_skip() -> str:
+    try:
+        return skypilot_python()
+    except UserError as e:
+        pytest.skip(f"SkyPilot not installed (`make test` installs it in .venv-sky): {e}")
+
+
+def load_tasks(paths: list) -> list[dict]:
+    """Task files as SkyPilot's own parser reads them."""
+    loaded = subprocess.run([skypilot_or_skip(), "-c", _LOAD_TASKS, *map(str, paths)], capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    return json.loads(loaded.stdout.strip().splitlines()[-1])
+
+
+def run_as_host(task: dict, command: str, tmp_path: Path, env: dict) -> list[str]:
+    """The task's run command on one host as SkyPilot runs it (`env`: its variables there), through a `command`
+    (harvest, docker) on PATH that prints the arguments it got; returns them."""
+    shim = tmp_path / "bin" / command
+    if not shim.exists():
+        shim.parent.mkdir(exist_ok=True)
+        shim.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+        shim.chmod(0o755)
+    done = subprocess.run(["bash", "-c", task["run"]], env={"PATH": f"{shim.parent}:/usr/bin:/bin", **env},
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def edit_fleet(fleet: dict, **changes) -> dict:
+    edited = copy.deepcopy(fleet)
+    for key, value in changes.items():
+        if key.startswith("g"):  # g0_streams=... edits groups[0].streams
+            index, field = key[1:].split("_", 1)
+            edited["groups"][int(index)][field] = value
+        else:
+            edited[key] = value
+    return edited

@@ -1,4 +1,4 @@
-"""A run still being written, for tests/read/test_reader_stream.py: commits shards with harvest's own commit code
+"""A run still being written, for tests/read/test_reader_consumers.py: commits shards with harvest's own commit code
 (store.commit.commit: the data object under this attempt's name, then the sidecar created only if absent),
 round robin over the streams, until it has written MAX_SHARDS or is stopped.
 

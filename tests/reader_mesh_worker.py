@@ -1,4 +1,4 @@
-"""One process of the 2-process reader test (tests/read/test_reader_stream.py): global JAX batches over meshes.
+"""One process of the 2-process reader test (tests/read/test_reader_consumers.py): global JAX batches over meshes.
 
 argv: COORDINATOR NUM_PROCESSES PROCESS_ID RUN_URL OUT_DIR. For each mesh below, reads an epoch of
 `run.jax_batches` and checks every row this process's devices hold against the row stored for its token;

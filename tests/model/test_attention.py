@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_extract import assert_equal_to_hf, extract, stored_samples, write_jsonl
+from stored_values import assert_equal_to_hf, extract, stored_samples, write_jsonl
 
 from harvest.demo import demo_checkpoint
 from harvest.model.attention import (BLOCKS_ENV, AttentionError, attention_of, blocks_override, pallas_blocks,

@@ -9,8 +9,6 @@ the meshes run in tests/reader_mesh_worker.py with jax.distributed on 127.0.0.1.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import free_port, pod_env
 from reader_helpers import RunWriter, small_run
 
 from harvest.errors import UserError
@@ -96,19 +95,12 @@ def test_a_growing_run_read_by_two_ranks_of_two_dataloader_workers(growing):
 
 
 # JAX global batches over any mesh, 2 processes x 4 devices --------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(240)
 def test_jax_batches_on_two_processes_for_any_mesh(tmp_path):
     written = small_run(str(tmp_path / "run"))
     out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COORDINATOR", "JAX_PROCESS", "SLURM_"))}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = pod_env(4)
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(HERE / "reader_mesh_worker.py"), coordinator, "2", str(pid),
                                written.storage.url, str(out)], env=env, stdout=subprocess.PIPE,

@@ -1,5 +1,5 @@
 """harvest.storage.Storage against a local directory, fake-gcs-server and a real S3 server (moto), including
-a proxy that cuts the connection mid-run. Conditional writes: test_storage_conditional.py."""
+a proxy that cuts the connection mid-run. Conditional writes: tests/storage/test_storage_conditional.py."""
 
 from __future__ import annotations
 

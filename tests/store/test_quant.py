@@ -11,6 +11,7 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+from quant_helpers import CODES, NAMES, assert_float32_stats, bound, texts
 from safetensors.numpy import save
 
 import harvest
@@ -20,16 +21,6 @@ from harvest.extract.job import run_extract
 from harvest.store import encoding, format as fmt, quant
 from harvest.store.records import Sidecar
 from harvest.store.verify import verify
-
-CODES = ("int8", "float8_e4m3fn")
-NAMES = ("resid_pre.0", "resid_post.1")
-
-
-def bound(x: np.ndarray, scale: np.ndarray, dtype: str) -> np.ndarray:
-    """The documented bound (harvest.store.quant) per element, plus float32 rounding of the product."""
-    s = scale[:, None]
-    per = s / 2 if dtype == "int8" else np.maximum(np.abs(x) / 16, s * 2.0**-10)
-    return per + np.abs(x) * 2.0**-22
 
 
 @pytest.mark.parametrize("dtype", CODES)
@@ -67,19 +58,12 @@ def test_quantized_shard_parts_are_the_bytes_safetensors_writes(dtype):
     np.testing.assert_array_equal(decoded["resid_post.3.scale"], whole["resid_post.3.scale"])
     assert decoded["resid_post.3"].dtype == quant.CODES[dtype]
 
-
-def _texts(n: int = 40) -> list[dict]:
-    rng = np.random.default_rng(3)
-    words = "the residual stream holds sparse features that an autoencoder reads back out".split()
-    return [{"text": " ".join(rng.choice(words, int(rng.integers(3, 40))))} for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same texts extracted in float32, int8 and float8_e4m3fn (several shards each)."""
     root = tmp_path_factory.mktemp("quant")
     data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in _texts()))
+    data.write_text("".join(json.dumps(r) + "\n" for r in texts()))
     model = demo_checkpoint(root / "model")
     out = {"model": model, "data": data}
     for dtype in ("float32", *CODES):
@@ -152,19 +136,6 @@ def test_stats_are_the_float32_values_stats(runs, dtype):
     """Stats come from the values before quantization: the float32 run's, to float64 merge order (the shards
     split elsewhere: 8-bit rows are smaller)."""
     assert_float32_stats(harvest.open(str(runs["float32"])), harvest.open(str(runs[dtype])))
-
-
-def assert_float32_stats(ref, run) -> None:
-    """`run`'s stats (of every token, of each sample's first) are those of the float32 run `ref`, to float64
-    merge order."""
-    for name in NAMES:
-        for a, b in ((ref.stats(name), run.stats(name)),
-                     (ref.view.first_token_stats(name), run.view.first_token_stats(name))):
-            assert a.count == b.count
-            np.testing.assert_allclose(b.mean, a.mean, rtol=1e-12, atol=1e-12 * np.abs(a.mean).max())
-            np.testing.assert_allclose(b.m2, a.m2, rtol=1e-12)
-        assert run.view.first_token_stats(name).count == ref.num_samples
-
 
 @pytest.mark.parametrize("dtype", CODES)
 def test_verify_checks_the_scales(runs, dtype, tmp_path):
