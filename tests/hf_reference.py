@@ -1,14 +1,8 @@
-"""HuggingFace reference for activation-capture tests.
-
-Builds tiny *random* checkpoints of the supported decoder families with
-``transformers`` (no hub access needed) and runs them under PyTorch with hooks
-to produce ground-truth activations that the JAX side must reproduce.
-
-The shapes are chosen to catch common bugs: odd widths (no power of two), GQA
-(6 query heads over 2 KV heads), a distinct ``rope_theta`` and ``rms_norm_eps``
-per family, llama3 rope scaling that really changes frequencies, qwen3's
-explicit ``head_dim`` != hidden/heads, and non-identity norms / non-zero biases.
-"""
+"""HuggingFace reference for activation-capture tests: tiny *random* checkpoints of the supported decoder
+families built with ``transformers`` (no hub access), run under PyTorch with hooks for the activations the
+JAX side must reproduce. The shapes catch common bugs: odd widths, GQA (6 query heads over 2 KV heads), per
+family rope_theta and rms_norm_eps, llama3 rope scaling, qwen3's explicit head_dim, non-identity norms and
+non-zero biases."""
 
 from __future__ import annotations
 

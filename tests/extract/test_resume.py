@@ -1,12 +1,7 @@
-"""Exactly once, as a user meets it: `harvest extract` killed at random moments and rerun writes the same
-bytes as a run never killed; `harvest verify` catches a missing or altered shard; a stream held by another
-worker's lease stops a second worker before it writes anything; a run.json made with other settings is
-refused unless --overwrite (which, too, waits for the lease); a finished run named from another working
-directory is recognised and left as it is.
-
-Everything runs the real CLI in subprocesses on the tiny embedded demo checkpoint (2 fake CPU devices, so
-2 data slots share 3 streams), over a 300-record jsonl made here.
-"""
+"""Exactly once, as a user meets it (the real CLI in subprocesses, the demo checkpoint, 2 fake CPU devices):
+`harvest extract` killed at random moments and rerun writes the bytes of a run never killed; verify catches
+a missing or altered shard; another worker's lease stops a second worker before it writes; a run.json made
+with other settings is refused unless --overwrite; a finished run named from elsewhere is left as it is."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""A fleet end to end without a cloud: the run commands `harvest fleet plan` emits, for 2 groups x 2 workers
-that see this machine's paths (`shared_paths`), run as local processes with the env SkyPilot would give them
-(a fresh working directory each, as a new VM), writing to fake-gcs-server (one group) and moto S3 (the
-other). One worker is SIGKILLed and its command rerun, as a recovery would; `fleet status` shows the stale
-streams in between; `harvest verify` over both buckets passes and the shards equal those of one
-uninterrupted local run. A worker stopped (SIGSTOP) while its replacement (on "another VM": a pid namespace
-of its own) takes its streams stops with exit 3 when resumed, having written nothing more. A TRM fleet builds
-its puzzles once, with a real `harvest puzzles build`, before its real `harvest train` starts (~45 s of the
-test: the trainer's start and compile on 2 busy cores), and `fleet status` reads that run's progress from
-fake-gcs-server."""
+"""A fleet end to end without a cloud: the run commands `harvest fleet plan` emits (2 groups x 2 workers,
+`shared_paths`) run as local processes with SkyPilot's env, writing to fake-gcs-server and moto S3. A worker
+SIGKILLed and rerun as a recovery would: `fleet status` shows the stale streams, verify passes, the shards
+equal one uninterrupted run's. A worker SIGSTOPped while its replacement takes its streams exits 3 having
+written nothing more. A TRM fleet builds its puzzles once before its trainer starts; status reads its progress."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Emitted tasks run as SkyPilot runs them, on this machine. `harvest fleet plan --emit` writes the task files
-and the checkout's wheel; each host of a task is a fresh "VM" (a HOME and a working directory of its own) that
-gets the task's file_mounts at their destinations, runs the task's setup in a fresh virtualenv, then its run
-command with SkyPilot's per-host variables. A 2-worker extraction fleet on local paths (`shared_paths`, a tiny
-random checkpoint), then an SAE fleet on 2 nodes (one JAX process each, the layout from SkyPilot's variables)
-on its run: both complete, `harvest verify` passes, and every host ran the harvest its setup installed.
-
-The virtualenvs reuse the suite's installed dependencies (a .pth naming its site-packages, whose own .pth
-files, the editable harvest's included, are not read) and the setup's pip takes no index and no dependencies
-(PIP_NO_INDEX, PIP_NO_DEPS): only the carried wheel is installed, in seconds."""
+"""Emitted tasks run as SkyPilot runs them, on this machine: each host a fresh "VM" (its own HOME and working
+directory) that gets the task's file_mounts, runs its setup in a fresh virtualenv (the suite's dependencies,
+only the carried wheel installed) and its run command with SkyPilot's per-host variables. A 2-worker
+extraction fleet on local paths, then an SAE fleet on 2 nodes: both complete, `harvest verify` passes, and
+every host ran the harvest its setup installed."""
 
 from __future__ import annotations
 

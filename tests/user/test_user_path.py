@@ -1,15 +1,8 @@
-"""The user's path through failures and help (issue 35, point 6), each as a user meets it:
-
-- a `--strict` stop releases its leases: before any commit it leaves --out as it was; after some, the streams it
-  never wrote are gone, the committed shards stay, and a rerun without --strict resumes to a run verify passes;
-- a full disk (a real small tmpfs, in a private mount namespace) exits 75, which the fleet retries, with nothing
-  half-written, and the same command resumes once there is room;
-- an --out that cannot be written (a file on its path; a read-only mount) says "cannot write --out", and why;
-- each subcommand's action has its own --help, `status --help` a description, `--model`'s help names GGUF;
-- the progress line counts records and samples together (under --long truncate, samples never exceed records);
-- W&B's local files go under the run's --out, not the current directory;
-- stream and shard numbers past the names' padded widths are listed and read like any other.
-"""
+"""The user's path through failures and help (issue 35, point 6), each as a user meets it: a `--strict` stop
+releases its leases and a rerun resumes; a full disk (a small tmpfs) exits 75 with nothing half-written and
+resumes once there is room; an --out that cannot be written says why; every action has its own --help; the
+progress line counts records and samples; W&B's files go under --out; stream and shard numbers past the
+names' padded widths are listed and read like any other."""
 
 from __future__ import annotations
 
