@@ -10,6 +10,7 @@ from typing import Any
 
 from harvest.config import build, load_yaml
 
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
     name: str  # run.json's kind
@@ -66,10 +67,6 @@ def train_config(yaml_path: str | None, flags: dict[str, Any]) -> Any:
     return build(KINDS["train"].config(), yaml_path, flags)
 
 
-def of_config(cfg: Any) -> Kind:
-    return next(k for k in KINDS.values() if type(cfg) is k.config())
-
-
 def trainer_for(cfg: Any) -> Any:
     """The trainer of cfg's kind, on cfg."""
-    return of_config(cfg).trainer()(cfg)
+    return next(k for k in KINDS.values() if type(cfg) is k.config()).trainer()(cfg)
