@@ -1,8 +1,8 @@
-"""Records -> token pieces (with the long-sample policy) -> packed rows of fixed length.
+"""Records -> samples' tokens (with the long-sample policy) -> packed rows of fixed length.
 
-A stream becomes a sequence of *pieces* at positions (index, variant): index is the record's line in
-the stream, variant which of the record's pieces it is (ARC augmentations, chunks of a long text).
-Pieces are cut into *blocks* in stream order (a block closes once it holds PACK_ROWS rows' worth of
+A stream becomes a sequence of *samples* at positions (index, variant): index is the record's line in
+the stream, variant which of the record's samples it is (ARC augmentations, chunks of a long text).
+Samples are cut into *blocks* in stream order (a block closes once it holds PACK_ROWS rows' worth of
 tokens, or at the stream's end), and each block is packed best-fit decreasing into rows: ~0.97 of the
 computed tokens are real on lognormal text where greedy in-order filling gets ~0.78. Rows never span
 two streams or two blocks, so packing is a pure function of the stream from any block start: every
@@ -29,7 +29,9 @@ PACK_ROWS = 32  # rows' worth of tokens packed together: tighter packing, but th
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
+class SampleTokens:
+    """One sample's tokens (a record's variant, or a chunk of a long one) at its position in the stream."""
+
     pos: Position
     sample_id: int
     tokens: np.ndarray  # int32
@@ -54,19 +56,19 @@ class StreamEnd:
     records: int  # records the stream held (or that --max-samples let through)
 
 
-Event = Piece | Skip | StreamEnd
+Event = SampleTokens | Skip | StreamEnd
 
 
 @dataclasses.dataclass
 class Row:
-    """One packed row: its pieces with their offsets (ordered by offset), and the block it belongs to."""
+    """One packed row: its samples with their offsets (ordered by offset), and the block it belongs to."""
 
     tokens: np.ndarray
     segments: np.ndarray
     start: Position | None = None  # where the row's block begins (a resume re-packs from there); None: no events
     used: int = 0
-    events: list[tuple[Piece, int]] = dataclasses.field(default_factory=list)  # (piece, offset in row)
-    block: list[Event] | None = None  # on a block's last row: the block's pieces and skips in stream order
+    events: list[tuple[SampleTokens, int]] = dataclasses.field(default_factory=list)  # (sample, offset in row)
+    block: list[Event] | None = None  # on a block's last row: the block's samples and skips in stream order
     end: StreamEnd | None = None
 
 
@@ -81,7 +83,7 @@ def stream_pieces(
     strict: bool,
     sample_error: type[Exception],
 ) -> Iterator[Event]:
-    """Pieces and skips of a stream, records numbered from `first_index`, ending with StreamEnd."""
+    """Samples and skips of a stream, records numbered from `first_index`, ending with StreamEnd."""
     index = first_index
     block: list = []
     for record in records:
@@ -168,20 +170,20 @@ def _block_events(block, first, render, encode, max_seq_len, long, strict, sampl
             continue
         variant = 0
         for tokens in variants:
-            if not tokens:  # the position is used up, so the next piece's differs (resume compares them)
+            if not tokens:  # the position is used up, so the next sample's differs (resume compares them)
                 yield Skip((index, variant), record.sample_id, record.location, "no tokens")
                 variant += 1
                 continue
             array = np.asarray(tokens, np.int32)
             if len(array) <= max_seq_len:
-                pieces = [(array, None)]
+                chunks = [(array, None)]
             elif long == "truncate":
-                pieces = [(array[:max_seq_len], "truncated")]
+                chunks = [(array[:max_seq_len], "truncated")]
             else:
-                pieces = [(array[i : i + max_seq_len], "chunked" if i == 0 else None)
+                chunks = [(array[i : i + max_seq_len], "chunked" if i == 0 else None)
                           for i in range(0, len(array), max_seq_len)]
-            for piece, note in pieces:
-                yield Piece((index, variant), record.sample_id, piece, note)
+            for chunk, note in chunks:
+                yield SampleTokens((index, variant), record.sample_id, chunk, note)
                 variant += 1
 
 
@@ -204,7 +206,7 @@ def pack_stream(events: Iterable[Event], seq_len: int, skip_before: Position = (
         yield from packed
         packed = []
         block.append(event)
-        if isinstance(event, Piece):
+        if isinstance(event, SampleTokens):
             tokens += len(event.tokens)
             if tokens >= PACK_ROWS * seq_len:
                 packed = pack_block(block, seq_len)
@@ -212,20 +214,20 @@ def pack_stream(events: Iterable[Event], seq_len: int, skip_before: Position = (
 
 
 def pack_block(block: list[Event], seq_len: int) -> list[Row]:
-    """Best-fit decreasing: longest piece first (ties in stream order), each into the fullest row it fits.
+    """Best-fit decreasing: longest sample first (ties in stream order), each into the fullest row it fits.
     At least one row (a block of skips only gets an empty one, to carry them)."""
-    pieces = sorted((e for e in block if isinstance(e, Piece)), key=lambda p: (-len(p.tokens), p.pos))
-    contents: list[list[Piece]] = []
+    samples = sorted((e for e in block if isinstance(e, SampleTokens)), key=lambda p: (-len(p.tokens), p.pos))
+    contents: list[list[SampleTokens]] = []
     free: list[int] = []
-    for piece in pieces:
-        n = len(piece.tokens)
+    for sample in samples:
+        n = len(sample.tokens)
         fits = [r for r, room in enumerate(free) if room >= n]
         if fits:
             best = min(fits, key=lambda r: free[r])
-            contents[best].append(piece)
+            contents[best].append(sample)
             free[best] -= n
         else:
-            contents.append([piece])
+            contents.append([sample])
             free.append(seq_len - n)
     start = block[0].pos if block else None
     rows = [_fill(sorted(chosen, key=lambda p: p.pos), seq_len, start) for chosen in contents or [[]]]
@@ -233,12 +235,12 @@ def pack_block(block: list[Event], seq_len: int) -> list[Row]:
     return rows
 
 
-def _fill(pieces: list[Piece], seq_len: int, start: Position | None) -> Row:
+def _fill(samples: list[SampleTokens], seq_len: int, start: Position | None) -> Row:
     row = Row(np.zeros(seq_len, np.int32), np.zeros(seq_len, np.int32), start)
-    for segment, piece in enumerate(pieces, 1):
-        n = len(piece.tokens)
-        row.tokens[row.used : row.used + n] = piece.tokens
+    for segment, sample in enumerate(samples, 1):
+        n = len(sample.tokens)
+        row.tokens[row.used : row.used + n] = sample.tokens
         row.segments[row.used : row.used + n] = segment
-        row.events.append((piece, row.used))
+        row.events.append((sample, row.used))
         row.used += n
     return row

@@ -47,9 +47,11 @@ from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.runtime.sigterm import Interrupted, SigtermFlag
 from harvest.store import format as fmt, quant
-from harvest.store.commit import Committer, ResumePoint, read_chain, sweep, wipe
+from harvest.store.commit import ResumePoint, read_chain, sweep, wipe
+from harvest.store.committer import Committer
 from harvest.storage import Storage, StorageError
 from harvest.store.lease import Leases
+from harvest.store.records import RunInfo
 
 log = logging.getLogger("harvest")
 
@@ -89,9 +91,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     out = Storage(cfg.out, clock=STOPPABLE)
     data = streams.open_data(cfg.data)
     chosen = _chosen_streams(cfg, data.num_streams)
-    # The implementation run, in run.json's config and agreed by every process (all compile one program); not an
-    # output setting: another kernel rounds differently, no more, so a resume may use another.
-    # The host's cores as one slot choose as one device would (blocks), each running it on its own rows.
+    # The attention kernel is resolved once, here: every process must compile the same program, so it goes into
+    # run.json's config and the agreement. It is no output setting (another kernel rounds differently, no more),
+    # so a resume may resolve another. A one-process CPU run's cores choose as one device would (blocks).
     cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, model.sliding_windows, cfg.max_seq_len,
                                                                None if one_slot else mesh))
     run_info = build_run_info(cfg, model, plan, checkpoint, data, compute_dtype)
@@ -148,8 +150,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                     check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
             decoder = clock.timed("weights", load_decoder, checkpoint, cfg.points, mesh, **decoding)
-            return _extract(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases, run_info, failure,
-                            sigterm, clock, slot_rows=cfg.batch_size * (data_slots(mesh) if one_slot else 1))
+            slot_rows = cfg.batch_size * (data_slots(mesh) if one_slot else 1)
+            return _extract(Extraction(cfg, decoder, compiled, tokenizer, render, data, fed, mine, out, leases,
+                                       run_info, failure, sigterm, clock, slot_rows))
         except UserError as e:
             if e.exit_code != 2:  # lost a stream (3: nothing of it is ours to touch), or retry later (75)
                 raise
@@ -275,9 +278,30 @@ def _wipe(out: Storage, streams_to_wipe: list[int], dropped: list[int], leases: 
         out.delete(fmt.RUN_JSON)
 
 
-def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: dict[int, list[int]], mine: list[int],
-             out: Storage, leases: Leases, info, failure: list[BaseException], sigterm: SigtermFlag,
-             clock: Startup, slot_rows: int) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+    """What the extraction proper works with, once everything that could refuse the command has passed."""
+
+    cfg: ExtractConfig
+    decoder: Decoder  # the weights, loaded over the mesh
+    compiled: concurrent.futures.Future  # the forward, compiling since the settings were agreed
+    tokenizer: Any
+    render: prompts.Renderer
+    data: streams.StreamSet | streams.SourceStreams
+    slots: dict[int, list[int]]  # each data slot this process feeds -> its streams, in order
+    mine: list[int]  # the streams this process writes
+    out: Storage
+    leases: Leases
+    info: RunInfo  # run.json
+    failure: list[BaseException]  # a lost lease's error, set by a heartbeat thread
+    sigterm: SigtermFlag
+    clock: Startup
+    slot_rows: int  # rows a slot computes per batch
+
+
+def _extract(job: Extraction) -> dict[str, Any]:
+    cfg, decoder, data, slots, mine, out, leases, info = (job.cfg, job.decoder, job.data, job.slots, job.mine, job.out,
+                                                         job.leases, job.info)
     # Ours now: what writers that lost the stream left behind, where it can never be committed, is swept. A stream
     # wiped by --overwrite starts afresh in a generation of its own: nothing a stalled writer lands is read there.
     chains = {s: [] if cfg.overwrite else sweep(out, s, leases.generation(s), leases.check) if s in mine
@@ -294,14 +318,14 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,
                           on_lost=leases.lose, generation=leases.generation)
-    encode = prompts.encoder(tokenizer, cfg.format)
+    encode = prompts.encoder(job.tokenizer, cfg.format)
 
     def stream_rows(stream: int) -> Iterator[Row]:
         point = resume[stream]
         records = data.records(stream, start=point.row_start[0])
         if cfg.max_samples is not None:
             records = _limit(records, cfg.max_samples - point.row_start[0])
-        events = stream_pieces(records, render, encode, first_index=point.row_start[0],
+        events = stream_pieces(records, job.render, encode, first_index=point.row_start[0],
                                max_seq_len=cfg.max_seq_len, long=cfg.long, strict=cfg.strict,
                                sample_error=prompts.SampleError)
         if cfg.strict:
@@ -311,8 +335,8 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     start = time.monotonic()
     with progress.display(), distributed.peers_watched():
         stopped = run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer,
-                               progress, failure, compiled, stop=lambda: sigterm.raised, startup=clock,
-                               slot_rows=slot_rows)
+                               progress, job.failure, job.compiled, stop=lambda: job.sigterm.raised, startup=job.clock,
+                               slot_rows=job.slot_rows)
     if stopped:
         raise RetryLater("stopped on SIGTERM: the shards closed by then are committed, the leases released; rerun "
                          "the same command to resume")
@@ -321,7 +345,7 @@ def _extract(cfg, decoder: Decoder, compiled, tokenizer, render, data, slots: di
     with distributed.peers_watched():
         distributed.barrier("harvest-extract-done")
     return {**summarize(out, mine, elapsed=time.monotonic() - start, progress=progress),
-            "devices": describe(decoder.mesh), "startup": clock.line()}
+            "devices": describe(decoder.mesh), "startup": job.clock.line()}
 
 
 def _limit(records, n: int):

@@ -30,7 +30,7 @@ from harvest.model import Decoder
 from harvest.runtime import distributed
 from harvest.runtime.mesh import data_slots
 from harvest.store import format as fmt, quant
-from harvest.store.commit import ABORT_WAIT_S, Committer, abandoned_at_stop
+from harvest.store.committer import ABORT_WAIT_S, Committer, abandoned_at_stop
 
 QUEUE_DEPTH = 2
 STOP_WAIT_S = 5.0  # how long a stop (SIGTERM) waits for the commits in flight before it abandons them

@@ -20,7 +20,7 @@ from collections import Counter
 from datetime import datetime, timezone
 from typing import Any
 
-from harvest.data.batching import Piece, Row
+from harvest.data.batching import SampleTokens, Row
 from harvest.store.bounds import Waits
 from harvest.store import format as fmt
 from harvest.store.commit import ResumePoint
@@ -50,7 +50,7 @@ class Progress:
         self.tokens_committed = 0  # committed by this process
         self.bytes_committed = 0  # the data objects of those shards
         self.session_tokens = 0  # computed in this process, for the rate
-        self.packing = {s: [0, 0] for s in totals}  # [real tokens, row slots] of each stream's rows this session
+        self.packing = {s: [0, 0] for s in totals}  # [real, computed] row tokens of each stream this session
         self.shards = 0
         self.waits = Waits()  # where the pipeline's stages wait: what bounds the run
 
@@ -58,7 +58,7 @@ class Progress:
         with self._lock:
             if row.block:  # the block's last row: all its pieces are computed now
                 self.records[stream] = max(self.records[stream], row.block[-1].pos[0] + 1)
-                self.samples[stream] += sum(isinstance(event, Piece) and event.pos >= self.resumed[stream]
+                self.samples[stream] += sum(isinstance(event, SampleTokens) and event.pos >= self.resumed[stream]
                                             for event in row.block)
             if row.end is not None:
                 self.records[stream] = max(self.records[stream], row.end.records)
@@ -147,7 +147,7 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         long.update(sc.long)
     skipped = [entry for sc in sidecars for entry in sc.skipped]
     reasons = Counter(s["reason"].split(" (")[0] for s in skipped)
-    real, slots = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
+    real, computed = (sum(counts) for counts in zip(*progress.packing.values())) if progress.packing else (0, 0)
     stored, tokens = sum(sc.bytes for sc in sidecars), sum(sc.tokens for sc in sidecars)
     shares = progress.waits.shares()
     return {
@@ -160,7 +160,7 @@ def summarize(out: Storage, chosen: list[int], *, elapsed: float, progress: Prog
         "seconds": round(elapsed, 2),
         "tokens_per_s": round(progress.session_tokens / max(elapsed, 1e-9), 1),
         "bytes_per_s": round(progress.bytes_committed / max(elapsed, 1e-9), 1),  # what storage absorbed
-        "packing_efficiency": round(real / slots, 4) if slots else 1.0,  # real tokens / computed row slots
+        "packing_efficiency": round(real / computed, 4) if computed else 1.0,  # real tokens / row tokens computed
         "bytes_per_token": round(stored / tokens, 1) if tokens else 0.0,  # the data objects of the streams' shards
         "waits": dataclasses.asdict(shares),  # each stage's share of the pipeline's time (harvest.store.bounds)
         "bound": shares.line(),

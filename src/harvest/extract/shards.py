@@ -1,8 +1,8 @@
 """A stream's packed rows in, closed shards out: `ShardWriter` accumulates one stream's pieces (host
 numpy, storage dtype) and closes a shard before the piece that would overflow `shard_bytes`, so
 boundaries depend only on the stream, the tensors, the dtype and the shard size, never on batch size,
-mesh or host count. Closed shards go to harvest.store.commit.Committer, each with its stream's content pin through it
-(harvest.data.pin), which `pin_sources` checks against the source before a resume reads on.
+mesh or host count. Closed shards go to harvest.store.committer.Committer, each with its stream's content
+pin through it (harvest.data.pin), which `pin_sources` checks against the source before a resume reads on.
 
 No activation is copied on the host: a shard holds its pieces as views into the batches they were
 captured in (which stay alive until the shard is committed), and the Committer writes and hashes them
@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from harvest.data.batching import Piece, Row, Skip
+from harvest.data.batching import SampleTokens, Row, Skip
 from harvest.data.pin import SourcePin, read_pin
 from harvest.errors import UserError
 from harvest.store import format as fmt, quant
-from harvest.store.commit import ClosedShard, ResumePoint
+from harvest.store.commit import ResumePoint
+from harvest.store.committer import ClosedShard
 from harvest.store.records import Sidecar
 from harvest.store.stats import RunningStats
 
@@ -31,7 +32,7 @@ class ShardWriter:
     With `quantize` (an 8-bit code of harvest.store.quant, `dtype` its codes) each tensor's pieces come as the
     device made them, codes with their scales beside them (under quant.scale_name), and go into the shard as
     they are. Its stats stay those of the values before quantization: the device's moments and first tokens
-    (harvest.model.quantize) of the row's first pieces; a row's pieces beyond the device's slots (rare: its
+    (harvest.model.quantize) of the row's first pieces; a row's samples beyond those the device reduced (rare: its
     33rd and on) get theirs here from the dequantized codes."""
 
     def __init__(self, stream: int, widths: dict[str, int], dtype: np.dtype, shard_bytes: int, resume: ResumePoint,
@@ -72,14 +73,14 @@ class ShardWriter:
 
     def add_row(self, row: Row, values: dict[str, np.ndarray], moments: dict | None = None) -> list[ClosedShard]:
         """Take a row; `values[name]` is [row.used, width] (quantized: codes, and `values[quant.scale_name(name)]`
-        their scales [row.used]); `moments[name]`, if given, is the row's (mean, M2) [slots, width] of its first
+        their scales [row.used]); `moments[name]`, if given, is the row's (mean, M2) [samples, width] of its first
         pieces (harvest.model.moments), quantized (mean, M2, first token) (harvest.model.quantize). Its pieces
         wait (as views: a block's batches stay alive until its last row) until their block's last row, the one
         carrying `row.block`, arrives; then they go in in stream order. Returns shards closed on the way."""
         for k, (piece, offset) in enumerate(row.events):
             if piece.pos >= self.committed:  # else already in a committed shard (a resume re-packs its block)
-                own = {name: tuple(a[k] for a in m) for name, m in moments.items()} if moments and k < _slots(moments) \
-                    else None
+                reduced = moments and k < _device_samples(moments)
+                own = {name: tuple(a[k] for a in m) for name, m in moments.items()} if reduced else None
                 self.waiting[piece.pos] = ({name: v[offset : offset + len(piece.tokens)] for name, v in values.items()},
                                            own)
         closed = []
@@ -101,7 +102,7 @@ class ShardWriter:
                                       records=row.end.records))
         return closed
 
-    def _add_piece(self, piece: Piece, values: dict[str, np.ndarray], moments: dict | None) -> None:
+    def _add_piece(self, piece: SampleTokens, values: dict[str, np.ndarray], moments: dict | None) -> None:
         for name, block in values.items():
             if block.dtype != self.empty[name].dtype:
                 if self.quantize:
@@ -111,7 +112,7 @@ class ShardWriter:
         for name in self.widths:
             mean, m2, *device_first = moments[name] if moments else (None, None)
             first = device_first[0][None] if device_first else self.pieces[name][-1][:1]
-            if self.quantize and not device_first:  # beyond the device's slots: from the dequantized codes
+            if self.quantize and not device_first:  # beyond the device's samples: from the dequantized codes
                 codes, scales = values[name], values[quant.scale_name(name)]
                 if mean is None:
                     own = RunningStats.of(quant.dequantize(codes, scales))
@@ -161,7 +162,7 @@ class ShardWriter:
         return shard
 
 
-def _slots(moments: dict) -> int:
+def _device_samples(moments: dict) -> int:
     return len(next(iter(moments.values()))[0])
 
 

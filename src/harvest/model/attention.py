@@ -1,32 +1,9 @@
-"""Attention over packed rows, every implementation behind one selector (`--attention`).
-
-A row packs samples (segment ids 1, 2, ...; 0 = padding): a token sees the earlier tokens of its own
-segment, inside its layer's sliding window when it has one. Padding sees earlier padding (0 == 0), as
-`dense` always did: no softmax row is ever empty, so nothing is NaN, and padding outputs are never read.
-
-  dense       jax.nn.dot_product_attention over the [rows, 1, seq, seq] mask: the reference; seq^2 memory.
-  blocks      the (query block, key block) pairs that share a segment (model.blocks): ~sum(len_i^2) work;
-              CPU's extraction path, under shard_map on a mesh (each device its own rows' pairs); its loop's
-              trip count is dynamic, so it has no backward pass and training gets dense.
-  splash      TPU splash attention: segment ids, a causal or local (sliding window) mask, GQA by the
-              kernel's own grouping (k/v are never repeated), flash residuals for the backward pass.
-  pallas-gpu  the Pallas (Triton) flash kernel with segment ids. Chosen over cuDNN's packed path
-              (q/kv offsets through jax's private cudnn module): this one is public API, and it runs here
-              in interpret mode, so its values are tested on every commit; cuDNN's path can only be run
-              on a GPU. Its forward kernel is called with k/v index maps that send each query head to
-              its kv head (GQA: k/v are never repeated); the backward repeats them (see _gqa_backward).
-              Tiles per head size and row length (pallas_blocks). No sliding window (a window shorter
-              than the row is refused).
-  auto        splash on TPU, pallas-gpu on GPU (dense where a sliding window limits it), blocks on a
-              one-device CPU mesh for extraction (and on the host's cores as one slot, which extraction resolves
-              as one device), else dense on CPU.
-
-The two kernels run compiled on their own backend and in Pallas interpret mode anywhere else
-(interpret = backend != theirs): slow, but the same program, which is how the tests check them on CPU.
-Their rows are padded to a multiple of 128 (segment 0 at the end: causal, so no real token sees it) and
-they run under shard_map, heads over the mesh's `model` axis and rows over its data axes. Their Pallas
-modules are imported where a kernel is built: a CPU job never needs them (~0.2 s of every start).
-"""
+"""Attention over packed rows, every implementation behind one selector (`--attention`): dense (the reference,
+seq^2 memory), blocks (the block pairs that share a segment; CPU extraction), splash (TPU), pallas-gpu (the
+Pallas flash kernel; public API, so it runs in interpret mode in the tests), auto. A token sees the earlier
+tokens of its own segment (in its sliding window); padding sees padding, so no softmax row is empty. The
+kernels run compiled on their own backend and interpreted elsewhere. Each implementation's trade-offs:
+docs/performance.md."""
 
 from __future__ import annotations
 

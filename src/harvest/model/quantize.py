@@ -40,11 +40,11 @@ def quantized(captures: dict[str, jax.Array], code: str) -> dict[str, jax.Array]
     return out
 
 
-def piece_firsts(values: jax.Array, segment_ids: jax.Array, slots: int) -> jax.Array:
-    """values [layers, batch, seq, width], segment_ids [batch, seq] -> [layers, batch, slots, width] float32:
-    slot k holds segment k+1's first token (zeros where a row has fewer pieces), for the stats of each sample's
+def piece_firsts(values: jax.Array, segment_ids: jax.Array, samples: int) -> jax.Array:
+    """values [layers, batch, seq, width], segment_ids [batch, seq] -> [layers, batch, samples, width] float32:
+    [:, :, k] holds segment k+1's first token (zeros where a row has fewer samples), for the stats of each sample's
     first token (the host has only its codes)."""
-    starts = segment_ids[:, :, None] == jnp.arange(1, slots + 1, dtype=segment_ids.dtype)  # [batch, seq, slots]
-    first = jnp.argmax(starts, axis=1)  # [batch, slots]: 0 where absent
+    starts = segment_ids[:, :, None] == jnp.arange(1, samples + 1, dtype=segment_ids.dtype)  # [batch, seq, samples]
+    first = jnp.argmax(starts, axis=1)  # [batch, samples]: 0 where absent
     taken = jnp.take_along_axis(values.astype(jnp.float32), first[None, :, :, None], axis=2)
     return jnp.where(starts.any(axis=1)[None, :, :, None], taken, 0.0)

@@ -2,7 +2,7 @@
 
 Layers are stacked on a leading axis and run under `lax.scan`, so compile time does not grow with
 depth. Captures land in per-point buffers [n_captured, batch, seq, width] carried through the scan
-(one dynamic_update_slice per layer; layers that are not captured write to a spare slot that is
+(one dynamic_update_slice per layer; layers that are not captured write to a spare index that is
 dropped), so memory holds only what was asked for. Only layers up to the last captured one run.
 
 A row of the batch may pack several samples: `segment_ids` (0 = padding) keep each one attending to
@@ -145,13 +145,13 @@ def forward(
     batch, seq = tokens.shape
     cos, sin, attend_of = attention_inputs(cfg, segment_ids, n_run, dtype, attention, mesh)
 
-    # Slot of each layer in each point's buffer; n (the spare slot) where that layer is not captured.
-    slots = {}
+    # Index of each layer in each point's buffer; n (the spare one) where that layer is not captured.
+    index = {}
     buffers = {}
     for point, layers in plan.points:
         table = np.full(n_run, len(layers), np.int32)
         table[list(layers)] = np.arange(len(layers))
-        slots[point] = jnp.asarray(table)
+        index[point] = jnp.asarray(table)
         buffers[point] = constrain(
             jnp.zeros((len(layers) + 1, batch, seq, _width(cfg, point)), dtype), ("capture", "batch", "seq", None)
         )
@@ -163,7 +163,7 @@ def forward(
         lp = jax.tree.map(lambda a: a[i], stacked)
         out = layer(cfg, lp, h, cos, sin, attend_of(i))
         buffers = {
-            p: jax.lax.dynamic_update_slice_in_dim(buf, out[p][None].astype(dtype), slots[p][i], axis=0)
+            p: jax.lax.dynamic_update_slice_in_dim(buf, out[p][None].astype(dtype), index[p][i], axis=0)
             for p, buf in buffers.items()
         }
         return (constrain(out["resid_post"], ("batch", "seq", None)), buffers), None

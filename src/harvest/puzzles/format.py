@@ -1,21 +1,7 @@
-"""The on-storage format of a puzzle dataset (what `harvest puzzles build` writes and the TRM trainer reads).
-
-```
-OUT/train.safetensors        inputs, labels [examples, seq_len] uint8 tokens; puzzle_identifiers [puzzles]
-                             int32; puzzle_indices [puzzles+1], group_indices [groups+1] int32 (CSR offsets:
-                             puzzle p holds examples puzzle_indices[p]:[p+1], group g puzzles
-                             group_indices[g]:[g+1]); ARC also translations [examples, 2] int32 (row, col)
-OUT/test.safetensors         the same for the test split
-OUT/identifiers.safetensors  ARC: per puzzle identifier, task [ids] int32 (index into tasks.json names, -1 for
-                             the blank id 0), dihedral [ids] int32, colours [ids, 10] uint8: what undoes it
-OUT/tasks.json               ARC: {"names": [...], "test_puzzles": {name: the task as given}}
-OUT/dataset.json             DatasetInfo, written last: the commit marker, naming every file's size and sha256
-```
-A group is one source puzzle with its augmentations (a trainer samples one puzzle per group per epoch, as the
-reference does); a puzzle is one identifier's examples (sudoku/maze: one example each; ARC: a task's pairs).
-A dataset without dataset.json is not one: a build cut short is never read, and its leftovers are replaced
-by the next build. Tokens: 0 is padding everywhere; labels equal to `ignore_label_id` carry no loss.
-"""
+"""The on-storage format of a puzzle dataset (what `harvest puzzles build` writes and the TRM trainer reads):
+train/test.safetensors (tokens and CSR offsets of puzzles and groups), ARC's identifiers.safetensors and
+tasks.json, and dataset.json written last as the commit marker: a dataset without it was cut short and is
+never read. The arrays, one by one: docs/trm.md."""
 
 from __future__ import annotations
 

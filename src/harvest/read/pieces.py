@@ -1,27 +1,8 @@
-"""Reading a piece (rows [lo, hi) of one shard) for token batches: from object storage as one ranged read
-per tensor asked for, from local disk as views of the memory-mapped file whose pages the reading thread
-faults in; and the rows to leave out (special tokens).
-
-What is checked, and when. Every consumer checks a shard's header before serving its first piece of it
-(once per reader): it parses, names this shard, describes the sidecar's byte count and token count and
-the run's widths and dtype, the file has the sidecar's length, and every range arrives whole; and it reads
-the shard's offsets, sample ids and variants whole, checked against their digests in the sidecar and
-against the sidecar's counts (a reader that leaves out each sample's first tokens goes by the offsets).
-Bytes are checked against checksums by every consumer, whatever its share, where the sidecar has chunk
-digests (harvest.store.encoding): each piece's rows are fetched as the whole chunks that hold them, each
-chunk checked before any row of the piece is served (harvest.read.layout.checked_rows). Sidecars written
-before chunk digests keep the older rule: one consumer per shard among all ranks and data-loader workers
-checks the bytes (the one dealt the shard's first piece, harvest.read.shuffle), once per reader, before it
-serves any of the shard's pieces: with the sidecar's per-tensor digests (by the checksum it names: xxh3_128,
-or sha256 in older runs) it checks the tensors asked for, a piece that is a whole shard by the bytes it
-fetched, a shard cut into pieces by reading those tensors once more (less than the data served); a sidecar
-from before those existed has only the whole file's sha256, so the whole file is read. `verify`: "sha256"
-always checks (by whichever checksum the sidecar names); "auto" (default) checks with chunk or per-tensor
-digests, and in the oldest runs only when the tensors asked for are at least half of a shard's bytes;
-"header" never checks a checksum. A piece that fails stops the reader with one line naming its shard, or
-with `on_corrupt="skip"` is left out (with the older rule: every piece of the shard this consumer reads),
-its shard counted in `skipped_shards`.
-"""
+"""Reading a piece (rows [lo, hi) of one shard) for token batches: from object storage as one ranged read per
+tensor asked for, from local disk as views of the memory-mapped file; and the rows to leave out (special
+tokens). Every consumer checks a shard's header and index arrays before its first piece; bytes are checked
+against the sidecar's chunk digests (older sidecars: per-tensor or whole-file digests, by one consumer per
+shard). `verify` and `on_corrupt`, and which sidecar gets which rule: docs/reading.md."""
 
 from __future__ import annotations
 

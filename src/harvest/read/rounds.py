@@ -1,25 +1,7 @@
-"""A run read while `harvest extract` still writes it (following it): its first epoch as rounds.
-
-Round 0 takes every shard committed when the epoch starts, round n the shards committed since round n-1
-ended: {stream: [start, end)} shard numbers, so the rounds of an epoch hold each committed shard once (a
-stream's shards form a chain that only grows: a killed extraction's rerun continues it, and the reader never
-sees what no sidecar commits). When a round is read and nothing new is committed, the follower lists the run
-every `poll` seconds, saying what it waits for; the epoch ends when every stream it reads has its final shard.
-A round is decided once: in the reader's state, and in `book` (a folder, `epoch_EEEEE/round_RRRRRR.json`
-created only if absent) when given, so that a rerun that reaches a round again takes the same shards, and a
-user can see which shards each round took.
-
-Shard numbers count within a stream's generation (harvest.store.listing.stream_generation): an --overwrite
-of a stream (a partial one, or a full one, even one that leaves run.json byte for byte the same) starts a new
-generation whose shards are numbered from 0 again. A round records the generation of each stream it reads,
-and the follower stops with one line (StartedOverError) when a stream it read has started over: when a
-listing shows it, when a recorded round or a saved state names an ended generation, or when a shard it reads
-is gone with its generation. Why not go on with the new generation: the rows already served cannot be taken
-back, and the new generation holds the same samples again (an identical overwrite gives the same rows), so
-taking it from its start serves them twice, and taking it from where the ended one stood mixes two
-generations' rows of one stream, which no reader can compare once the ended one is deleted. A person who
-started the stream over starts the reader over too.
-"""
+"""A run read while `harvest extract` still writes it (following it): its first epoch as rounds. Round 0 takes
+every shard committed when the epoch starts, round n those committed since; a round is decided once (in the
+reader's state and in `book`), so a rerun takes the same shards. A stream started over by --overwrite stops the
+follower (StartedOverError): the rows served cannot be taken back. Why, at length: docs/reading.md."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ class Run:
         self.storage = storage
         self._set_view(view)
         # decoded shards by (stream, shard, generation, data object): a shard number names other bytes after an
-        # --overwrite (a new generation) or a rerun's commit (another attempt's object)
+        # --overwrite (a new generation) or a rerun's commit (another writer's object)
         self._cache: collections.OrderedDict[tuple, dict[str, np.ndarray]] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
 

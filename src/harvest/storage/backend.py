@@ -1,22 +1,8 @@
-"""The backend protocol: the raw operations one kind of store (local disk, GCS, S3, a test's in-memory
-store) gives `Storage`, which adds URLs, retries, one-line errors and the lost-reply logic on top.
-
-A backend is any object with the methods of `Backend` below; subclassing it gives the optional ones
-(writes_in_flight, read_range, size, exists, open_read, open_write, delete_tree, remove_stale_temps) for free,
-built on the eight required ones, so an in-memory backend needs only those eight. Paths are what `Storage.path(rel)`
-gives: the root and the relative path joined with '/' (`bucket/run/stream_00003/lease.json`).
-
-What a backend's exceptions mean to Storage:
-- `FileNotFoundError`: the object does not exist (on a write: its bucket does not).
-- `harvest.storage.errors.PreconditionFailed`: a conditional write's condition did not hold; nothing was
-  written (create: the object exists; replace: it is gone or not the version named).
-- a transient error, as `errors.is_transient` judges it (`ConnectionError`, `TimeoutError`, an `OSError`
-  with ECONNRESET and kin, HTTP 408/429/5xx): the outcome is unknown, a write may have landed. Storage
-  retries the operation; a conditional write then reads the object back (same bytes: it was ours).
-- anything else: permanent, reported as one line naming the URL.
-A backend never retries, never sleeps (but for the local directory lock, on the clock it was given) and
-keeps no cache that could hide another process's write.
-"""
+"""The backend protocol: the raw operations one kind of store (local disk, GCS, S3, a test's in-memory store)
+gives `Storage`, which adds URLs, retries, one-line errors and the lost-reply logic on top. Subclassing `Backend`
+gives the optional methods, built on the eight required ones. A backend never retries and never caches; its
+exceptions say what happened: FileNotFoundError, PreconditionFailed (a conditional write refused, nothing
+written), a transient error (outcome unknown: Storage retries and reads back), or anything else (permanent)."""
 
 from __future__ import annotations
 

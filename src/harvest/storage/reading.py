@@ -48,7 +48,7 @@ class ReopeningReader(io.RawIOBase):
                 f.close()
 
     def readinto(self, b: Any) -> int:
-        def attempt() -> int:
+        def read_once() -> int:
             if self._f is None:
                 self._f = self._opener(self._pos)
             try:
@@ -56,7 +56,7 @@ class ReopeningReader(io.RawIOBase):
             except BaseException:
                 self._drop()
                 raise
-        n = self._retry("read", attempt)
+        n = self._retry("read", read_once)
         self._pos += n
         return n
 

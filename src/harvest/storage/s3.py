@@ -43,10 +43,10 @@ class S3Backend(ObjectBackend):
         """One multipart upload, `parts_in_flight` parts at a time, aborted (and its parts still in flight
         cancelled) on any failure."""
         upload = (await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
-        slots = asyncio.Semaphore(self.parts_in_flight)
+        in_flight = asyncio.Semaphore(self.parts_in_flight)
 
         async def put(number: int, start: int) -> dict:
-            async with slots:
+            async with in_flight:
                 body = PartsBody(parts, start, min(size, start + self.part_size))
                 out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number,
                                         Body=body)

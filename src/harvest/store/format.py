@@ -1,36 +1,8 @@
 """The output format: every name and pattern of a run's files (made and parsed here only), the dtypes a run
 may store, and run.json. A shard file's bytes and checksums are encoded in harvest.store.encoding, its stats in
 harvest.store.stats; the sidecar, progress, lease and generation records are typed in harvest.store.records.
-
-```
-OUT/run.json                                       what the run is (model, points, dtypes, config, hash)
-OUT/stream_00003/shard_000012-ATTEMPT.safetensors  {point}.{layer} [n_tokens, d] (and {point}.{layer}.scale
-                                                   [n_tokens] float32 when stored as 8-bit codes), tokens
-                                                   [n_tokens] int32, offsets [n+1] int64, sample_ids [n] int64,
-                                                   variants [n] int32
-OUT/stream_00003/shard_000012.json                 the commit marker: written after the data; without it the
-                                                   shard does not exist
-OUT/stream_00003/progress.json                     for `harvest status`; never read for correctness
-OUT/stream_00003/lease.json                        who writes this stream, and its generation
-OUT/stream_00003/generation.json                   the stream's committed generation, the one readers read
-                                                   (a GenerationRecord; absent: lease.json's, else "")
-OUT/stream_00003/gen_GENERATION/shard_...          a stream's shards after an --overwrite: each wipe starts a
-                                                   generation of its own (named in generation.json), whose
-                                                   sidecars and data objects lie in their own directory
-```
-Stream numbers are written with 5 digits and shard numbers with 6, zero-padded, and with as many as they need
-beyond (stream_100000, shard_1000000): every number has one name, and the listing reads them all.
-A stream is a sequence of *pieces*: (index, variant), index = the record's line in the stream,
-variant = which of the pieces a record gave (ARC augmentations, chunks of a long text). A shard
-holds a contiguous run of one stream's pieces; its sidecar records `start`/`next` (positions) and
-`row_start`, the position where the packed row holding `next` begins, from which a resume re-packs.
-
-run.json: {format_version, harvest_version, model: {source, model_type, config_sha256, num_layers,
-hidden_size, intermediate_size}, tokenizer_sha256, points: [[point, [layers]]], tensors: {name: width},
-special_token_ids (left out of SAE batches), dtype, compute_dtype, quantization (int8 and
-float8_e4m3fn: {scheme, scale_dtype}; harvest.store.quant), max_seq_len, long, format, data: {source,
-num_streams, counts (null when unknown)}, config (every setting), config_sha256}.
-"""
+Every number has one name: streams 5 digits, shards 6, zero-padded, and as many as they need beyond. The
+layout of a run and run.json's keys: docs/storage.md."""
 
 from __future__ import annotations
 
@@ -127,10 +99,10 @@ def generation_path(stream: int) -> str:
     return f"{stream_dir(stream)}/{GENERATION}"
 
 
-def shard_file(shard: int, attempt: str) -> str:
-    """The data object of `shard` as the attempt `attempt` writes it: no two writers ever write the same object
-    (shards of runs before attempts existed are named without one)."""
-    return f"{shard_stem(shard)}-{attempt}.safetensors" if attempt else f"{shard_stem(shard)}.safetensors"
+def shard_file(shard: int, writer: str) -> str:
+    """The data object of `shard` as the writer with id `writer` writes it: no two writers ever write the same
+    object (shards of runs before writer ids existed are named without one)."""
+    return f"{shard_stem(shard)}-{writer}.safetensors" if writer else f"{shard_stem(shard)}.safetensors"
 
 
 def data_file_shard(name: str) -> int | None:

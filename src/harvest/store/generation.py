@@ -1,25 +1,8 @@
 """A stream's committed generation, kept where no lease operation can lose it: `stream_NNNNN/generation.json`
 (a GenerationRecord: the generation readers read, and the ended ones a wipe deletes). The lease names the
-generation its holder writes (harvest.store.lease); this pointer names the one readers read
-(harvest.store.listing.read_generation). A person may delete a damaged lease.json: the stream's next taker
-creates a fresh lease from the pointer, and nothing committed is lost.
-
-The pointer follows the lease's chain of generations, forward only, and every write of it is a compare-and-swap
-from a version read before the lease write it reflects (`read` before a take or a wipe's swap):
-- a wipe reads the pointer, swaps the lease to its new generation (fenced: it lands only while the wiper holds
-  the stream), swaps the pointer from the version it read (`advance`), and only then deletes the ended
-  generations;
-- a stream without a pointer (never wiped) gets one, naming the generation it has, before a wipe's read
-  (`first`): so a lease created fresh from no pointer cannot be a wiper's to lose;
-- a taker of a lease reconciles (`follow`): a lease created fresh (none there: deleted by a person) was made from
-  the pointer, which it rewrites as it is, so that a wiper stalled before its swap of the pointer lands nothing;
-  a lease ahead of the pointer (a wiper stopped between its two swaps, or a run written before the pointer
-  existed) rolls it forward; a pointer ahead of the lease (the lease was recreated from an older read) is taken
-  into the lease, by the holder's fenced swap.
-So a writer stalled between its read and its swap lands nothing once another moved the pointer, and a writer
-commits into its lease's generation only once the pointer names it: the readers' generation holds every shard
-committed by a holder.
-"""
+generation its holder writes; this pointer, the one readers read. It moves forward only, each write a
+compare-and-swap from a version read before the lease write it reflects, so a writer stalled between its read
+and its swap lands nothing. The cases (wipe, first pointer, a taker's reconcile): docs/storage.md."""
 
 from __future__ import annotations
 

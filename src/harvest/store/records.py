@@ -163,31 +163,10 @@ def check_format(version: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Sidecar(Record):
-    """`stream_NNNNN/shard_NNNNNN.json`: the commit marker and manifest of one shard, written after its data.
-
-    `start`/`next`: the positions the shard covers, [start, next). `row_start`: where the packed row
-    holding `next` begins, from which a resume re-packs. `stats`: {tensor: RunningStats.to_json()}.
-    `skipped`: bad records and skipped long samples in the range, each {sample_id, location, reason}.
-    `long`: counts of truncated/skipped/chunked records in the range. `records`: records of the stream read
-    through `next`; with `final` (the stream ends with this shard, which may hold no samples), all of them.
-    `file`, `bytes`, `digest`: the data object this sidecar commits (its name carries the writing attempt's
-    id) and its checksum; `tensor_digests`: each tensor's (the digest of its chunk digests where the sidecar has
-    them, else of its bytes: `tensor_digest`), so a ranged read verifies what it fetched. `checksum` names the algorithm (encoding.CHECKSUMS) and `digest` is the digest of the header's
-    digest and each tensor's in file order (encoding.file_digest): one pass over the bytes gives both.
-    A sidecar written before `checksum` existed has None there and the keys `sha256` (the whole file's
-    sha256) and `tensor_sha256` (each tensor's; null in still older ones) on storage: it reads into
-    `digest` and `tensor_digests` and writes back under those keys. `quantization`: {dtype, scheme} where the
-    tensors are stored as 8-bit codes with scales (harvest.store.quant). `first_stats`: {tensor: RunningStats.to_json()}
-    of each sample's first token alone (before quantization), to tell how much the attention sinks hold.
-    `generation`: the stream's generation it was committed in (harvest.store.format.shard_dir; "" is left out).
-    `source_digest`: the stream's content pin through the records its shards hold a piece or a skip of
-    (harvest.data.pin; xxh3_128, hex): a resume re-reads them and refuses an edited source. None (left out on
-    storage) in sidecars written before pins, and for a stream resumed from one of them.
-    `chunk_bytes`, `chunk_digests`: {tensor: [digest of each `chunk_bytes` of its bytes, the last shorter]} by
-    `checksum` (encoding.tensor_checksums), so that a reader of any rows checks the chunks it fetched
-    (harvest.read.layout); None in sidecars written before them (left out on storage), which are read by the
-    older rule (harvest.read.pieces).
-    """
+    """`stream_NNNNN/shard_NNNNNN.json`: the commit marker and manifest of one shard, written after its data: the
+    range it covers, its counts, stats and skipped records, its data object and checksums, its generation and
+    source pin. Older sidecars read into the same fields (and write back under their own keys). Each key:
+    docs/storage.md."""
 
     format_version: int
     stream: int
@@ -338,7 +317,7 @@ class Progress(Record):
     worker: str
     updated_at: str  # ISO 8601, UTC
     done: bool
-    packing: tuple[int, ...] = (0, 0)  # (real tokens, computed row slots) of this session's rows: packing efficiency
+    packing: tuple[int, ...] = (0, 0)  # (real tokens, row tokens computed) of this session's rows: packing efficiency
     bound: str = ""
     bound_share: float = 0.0
 

@@ -1,5 +1,5 @@
 """`harvest status` and `harvest inspect` of an extraction run: what it has done and what it holds, as rich
-renderables (a training run's status is harvest.train.status's).
+renderables (a training run's status is harvest.training.status's).
 
 Committed counts (records, samples, tokens, shards) come from the sidecars, the truth: a stream's run of
 shards numbered 0, 1, 2, ... Rates, worker and update time come from progress.json, which is for show only.
@@ -378,9 +378,9 @@ def first_token_share(run: Snapshot, name: str) -> str:
 
 
 def _packing(storage: Storage, streams: list[int]) -> float | None:
-    """Real tokens / row slots computed, over the streams' progress.json (each stream's latest session)."""
-    real = slots = 0
+    """Real tokens / row tokens computed, over the streams' progress.json (each stream's latest session)."""
+    real = computed = 0
     for progress in (read_progress(storage, stream) for stream in streams):
         if progress is not None and len(progress.packing) == 2:
-            real, slots = real + progress.packing[0], slots + progress.packing[1]
-    return real / slots if slots else None
+            real, computed = real + progress.packing[0], computed + progress.packing[1]
+    return real / computed if computed else None

@@ -1,39 +1,7 @@
 """`harvest verify`: is every record of every stream in the run exactly once, and is every byte as committed?
-
-Each problem is one line naming the file it concerns (`URL/stream_00003/shard_000012.json: ...`); the report
-ends with a summary line: OK, INCOMPLETE (every committed byte checks, but a stream was never started or has
-no final shard yet: a worker stopped, preempted or still running; rerunning its extraction resumes it) or
-FAILED. The CLI exits 0 on OK, else 1. Checks, per run:
-
-- run.json is there, of a format this harvest reads (records.check_format, as the reader), and has tensors
-  {name: width}, a known dtype and a data section whose num_streams/counts say which streams (and how many
-  records each) the run covers;
-- no stream directory outside those streams; in a stream's committed generation (listing.read_generation, as
-  every reader reads it; files are named by that generation's paths) only data objects
-  (shard_NNNNNN-ATTEMPT.safetensors), sidecars (shard_NNNNNN.json), progress.json, lease.json and
-  generation.json; every sidecar's data object is there. Data objects no sidecar names (a writer that lost the
-  stream, or was killed before its commit) are leftovers, listed in the report but not problems; so are the
-  files of the generations the stream's generation record lists as ended (harvest.store.commit: a writer
-  stalled across an --overwrite lands there). The data object of a shard whose sidecar cannot be read is
-  damage, not a leftover;
-- each sidecar parses (a newer format is refused: upgrade harvest), names its own stream/shard and a data
-  object of its shard, and the shards of a stream are numbered 0, 1, 2, ...
-  with contiguous ranges by the chain's rules (listing.link_problem): the first starts at [0, 0] and each
-  `start` is the previous `next`;
-  `records` never decreases; exactly one `final` shard, the last, and with known counts its `records`
-  equals the stream's count;
-- each shard file's size and checksum equal the sidecar's, and each tensor's bytes its digest, in one pass
-  (Sidecar.mismatch: the file's digest is derived from its header's and tensors'; an older sidecar's is
-  the whole file's sha256); it decodes as safetensors with format metadata "harvest"; tokens [n_tokens]
-  int32, offsets [samples+1] int64 from 0, non-decreasing, ending at n_tokens; sample_ids [samples] int64;
-  variants [samples] int32; each run.json tensor [n_tokens, width] in the run's dtype and nothing else; the
-  sidecar's samples/tokens and per-tensor stats counts agree;
-- samples lie in the shard's [start, next) in strictly increasing (index, variant) order, their
-  sample_ids follow the mapping (sample_id = index * num_streams + stream); skipped entries lie in the
-  shard's range;
-- exactly once: no (sample_id, variant) twice in the stream (skipped entries that name a variant
-  included); every record 0 .. records-1 has a sample or a skipped entry.
-"""
+Each problem is one line naming its file; the report ends OK, INCOMPLETE (every committed byte checks, but a
+stream is unstarted or unfinished) or FAILED, and the CLI exits 0 on OK, else 1. The checks, one by one, are
+listed in docs/storage.md (verify)."""
 
 from __future__ import annotations
 
