@@ -3,6 +3,7 @@ errors, with a stable hash over the settings that decide what a run writes."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -47,6 +48,40 @@ def help_line(field: dataclasses.Field) -> str:
     if field.default not in (dataclasses.MISSING, None, False):
         extra.append(f"default: {field.default}")
     return meta["help"] + (f" ({'; '.join(extra)})" if extra else "")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One flag per config field, from its description (harvest.config.setting); defaults are None so YAML
+    values show through unless a flag is given. `prefix` keeps the fields' names apart from the parser's
+    own (e.g. `run`, the handler, and `harvest sae --run`); `from_flags` builds the config back from them."""
+    parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
+    for field in dataclasses.fields(cls):
+        kind = str(field.type).replace(" | None", "")
+        if kind == "bool":
+            parser.add_argument(flag(field.name), dest=prefix + field.name, action="store_true", default=None,
+                                help=help_line(field))
+        else:
+            parser.add_argument(flag(field.name), dest=prefix + field.name, type=_FLAG_TYPES.get(kind, str),
+                                default=None, metavar=field.name.upper(), help=help_line(field))
+
+
+def _json_object(text: str) -> dict:
+    """A dict-valued flag: a JSON object inline, or the path of a JSON file holding one (e.g. a config.json)."""
+    try:
+        value = json.loads(Path(text).read_text() if not text.lstrip().startswith("{") else text)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object or a JSON file ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+_FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
+
+
+def from_flags(args: argparse.Namespace, cls: type, prefix: str = ""):
+    """The `cls` config from --config's YAML and the flags `add_flags` added for its fields (under `prefix`)."""
+    return build(cls, args.config, {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
 
 
 def str_list(value: str | list | tuple | None) -> list[str]:
