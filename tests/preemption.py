@@ -13,7 +13,7 @@ import subprocess
 from extract_helpers import harvest_cmd, run_harvest
 from processes import read_until
 
-from harvest.train.runlog import HOLD_AT
+from harvest.training.loop import HOLD_AT
 
 
 def start(args: list[str], env: dict, hold_at: int | None = None) -> subprocess.Popen:

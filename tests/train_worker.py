@@ -36,9 +36,9 @@ def one_step(ckpt: str, mesh, grad_accum: int = 1, remat: str = "layer"):
 
     from harvest.model.config import ModelConfig
     from harvest.model.weights import load_params
-    from harvest.train.config import TrainConfig
-    from harvest.train.optimizer import learning_rate, make_optimizer
-    from harvest.train.step import (
+    from harvest.decoder.config import TrainConfig
+    from harvest.decoder.optimizer import learning_rate, make_optimizer
+    from harvest.decoder.step import (
         batch_sharding,
         init_state,
         make_step,

@@ -23,7 +23,7 @@ def restored_params(out: str | Path, step: int | None = None) -> dict:
     """The params of checkpoint `step` (the newest if None) of a decoder or SAE run."""
     import jax
 
-    from harvest.train.checkpoint import CHECKPOINTS, Checkpoints
+    from harvest.training.checkpoint import CHECKPOINTS, Checkpoints
 
     checkpoints = Checkpoints(f"{out}/{CHECKPOINTS}", every=1, keep=1, read_only=True)
     params = jax.device_get(checkpoints.restore_params(step if step is not None else checkpoints.steps()[-1]))
@@ -45,7 +45,7 @@ def assert_trees_close(ours: dict, theirs: dict, rtol: float) -> None:
 
 def train(**settings) -> dict:
     """`harvest train` of a decoder in this process; its summary."""
-    from harvest.train.config import TrainConfig
-    from harvest.train.job import run_train
+    from harvest.decoder.config import TrainConfig
+    from harvest.training.run import train as run_train
 
     return run_train(TrainConfig(**settings).validate())

@@ -39,10 +39,10 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
     from harvest.cli import main
     from harvest.model.config import ModelConfig
     from harvest.model.weights import to_hf
-    from harvest.train import step_parts
+    from harvest.training import step_parts
     from harvest.storage import Storage
-    from harvest.train.step_parts import CheckpointPart
-    from harvest.train.status import training_status
+    from harvest.training.step_parts import CheckpointPart
+    from harvest.training.status import training_status
 
     url = gcs_url
     settings = dict(BUCKET_RUN, tokenizer=str(tokenizer_dir), data=str(text_data))
@@ -97,7 +97,7 @@ def test_checkpoints_in_a_bucket_resume_on_a_fresh_machine_and_export(gcs_url, b
 def test_two_processes_checkpoint_into_s3_and_resume(s3_url, bucket_reference, text_data, tokenizer_dir, tmp_path):
     """2 processes x 4 devices that share no directory: 2 steps into s3://, then a rerun to 4 resumes from the
     bucket (both processes' parts); the params equal one process's 4 steps on 8 devices (fp32, 1e-5)."""
-    from harvest.train import step_parts
+    from harvest.training import step_parts
     from harvest.storage import Storage
 
     flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in BUCKET_RUN.items()]

@@ -45,7 +45,7 @@ def test_export_of_a_hf_start_gives_its_tensors_back_and_loads_in_transformers(f
     its logits equal harvest's own LM head on the checkpointed params."""
     from safetensors.numpy import load_file
 
-    from harvest.train.export import export
+    from harvest.decoder.export import export
 
     ckpt = ref.build_checkpoint(family, tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
     out = tmp_path / "run"
@@ -64,7 +64,7 @@ def test_export_of_a_hf_start_gives_its_tensors_back_and_loads_in_transformers(f
 def test_export_after_training_loads_in_transformers_with_harvests_logits(text_data, tokenizer_dir, tmp_path):
     from safetensors.numpy import load_file
 
-    from harvest.train.export import export
+    from harvest.decoder.export import export
 
     ckpt = ref.build_checkpoint("qwen2", tmp_path / "hf", num_layers=2, overrides={"vocab_size": 320})
     out = tmp_path / "run"
@@ -80,7 +80,7 @@ def test_export_after_training_loads_in_transformers_with_harvests_logits(text_d
 def test_export_shards_above_the_size_limit(text_data, tokenizer_dir, tmp_path):
     import transformers
 
-    from harvest.train.export import export
+    from harvest.decoder.export import export
 
     out = tmp_path / "run"
     train(shape=TINY_SHAPE, tokenizer=str(tokenizer_dir), data=str(text_data), out=str(out), seq_len=64,

@@ -28,8 +28,8 @@ def arc_streams(tmp_path_factory) -> Path:
 def test_loss_falls_on_arc_prompts_and_status_shows_the_run(arc_streams, tokenizer_dir, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from harvest.train import status
-    from harvest.train.status import training_status
+    from harvest.training import status
+    from harvest.training.status import training_status
 
     out = tmp_path / "run"
     summary = train(shape=TINY_SHAPE, tokenizer=str(tokenizer_dir), data=str(arc_streams), format="arc",
@@ -91,7 +91,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(text_data, tokenizer_d
 def test_every_yaml_key_is_a_flag_and_flags_win(tmp_path):
     from harvest.cli import build_parser
     from harvest.subcommands import config_from
-    from harvest.train.config import TrainConfig
+    from harvest.decoder.config import TrainConfig
 
     yaml_file = tmp_path / "train.yaml"
     yaml_file.write_text("shape: {model_type: llama, hidden_size: 8}\ntokenizer: tok\ndata: d\nout: o\n"

@@ -24,7 +24,7 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 def flip_a_params_byte(out: Path, step: int) -> str:
     """Flip the last byte of a params chunk of `step` (its newest copy); the chunk's name."""
-    from harvest.train.step_parts import CheckpointPart
+    from harvest.training.step_parts import CheckpointPart
 
     part = sorted((out / "checkpoints" / str(step)).glob("*/process_00000.json"))[-1]
     name = next(e["name"] for e in CheckpointPart.from_bytes(part.read_bytes()).files

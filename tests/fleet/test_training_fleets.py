@@ -75,7 +75,7 @@ def test_training_fleets_emit_tasks_skypilot_loads_that_run_one_process_per_host
     coordinator (rank 0's IP), the process count and this host's rank from SkyPilot's env, and settings that
     the command's own validation accepts."""
     from harvest.fleet.jobs import config_class
-    from harvest.train.job import train_config
+    from harvest.training.kinds import train_config
 
     fleet, plan, out, task = training_tasks[kind]
     assert "wrote 1 SkyPilot task files" in out
@@ -224,13 +224,13 @@ def test_a_training_job_in_an_image_on_a_tpu_slice_passes_each_hosts_rank_into_t
 
 
 def test_status_of_a_running_trainer_that_stopped_logging_is_stale(tmp_path, gcs_server):
-    """The trainer's own metrics writer (harvest.train.runlog.MetricsFile) in a bucket: a RUNNING job whose
+    """The trainer's own metrics writer (harvest.training.metrics.MetricsFile) in a bucket: a RUNNING job whose
     newest record is older than the stale limit makes `fleet status` say so and exit 1; a fresh one exits 0."""
     import time
 
-    from harvest.fleet.progress import STALE_AFTER_S
+    from harvest.fleet.status import STALE_AFTER_S
     from harvest.storage import Storage
-    from harvest.train.runlog import MetricsFile
+    from harvest.training.metrics import MetricsFile
 
     bucket = f"fleet-train-{os.getpid()}"
     create_gcs_bucket(gcs_server, bucket)

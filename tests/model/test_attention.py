@@ -202,8 +202,8 @@ def loss_and_grads(ckpt, kind: str, mesh, shape=(4, 128)):
     from harvest.model.config import ModelConfig
     from harvest.model.weights import load_params
     from harvest.runtime.mesh import constrainer
-    from harvest.train.loss import loss_sum
-    from harvest.train.step import batch_sharding
+    from harvest.decoder.loss import loss_sum
+    from harvest.decoder.step import batch_sharding
 
     model = ModelConfig.from_dir(ckpt)
     params = load_params(ckpt, model, mesh=mesh, head=True)
@@ -254,9 +254,9 @@ def test_splash_training_step_holds_no_seq_by_seq_array(checkpoints):
     the splash step none outside its kernels. Rows of 1024 (blocks of 512: no block is [seq, seq])."""
     from harvest.model.config import ModelConfig
     from harvest.model.weights import load_params
-    from harvest.train.config import TrainConfig
-    from harvest.train.optimizer import make_optimizer
-    from harvest.train.step import make_step, state_shardings
+    from harvest.decoder.config import TrainConfig
+    from harvest.decoder.optimizer import make_optimizer
+    from harvest.decoder.step import make_step, state_shardings
 
     ckpt, seq = checkpoints["windowed"], 1024
     model = ModelConfig.from_dir(ckpt)

@@ -165,7 +165,7 @@ def _sae_config(url: str, out: str, **more):
 def test_sae_train_eval_and_export_record_and_apply_the_norm_rule(tmp_path):
     from harvest.sae.evaluate import evaluate
     from harvest.sae.export import export, load_sae_run
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     url, out = str(tmp_path / "run"), str(tmp_path / "sae")
     massive_run(url, positions=(0, 2))
@@ -200,7 +200,7 @@ def test_training_and_eval_count_dead_latents_alike(tmp_path):
     """lr 0: the SAE stays as initialized, so training's dead fraction (fired on none of the W tokens trained)
     equals `sae eval`'s on those same tokens (the same reader order, W tokens)."""
     from harvest.sae.evaluate import evaluate
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     url, out = str(tmp_path / "run"), str(tmp_path / "sae")
     small_run(url)
@@ -269,7 +269,7 @@ def test_max_norm_defaults_to_10_and_is_off_with_follow():
 def test_an_sae_run_from_before_the_rule_resumes_without_it(tmp_path):
     """run.json without max_norm (an SAE run started before --max-norm existed): rerun with the default, it
     resumes as it was trained (no rule), reader positions and all."""
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     url, out = str(tmp_path / "run"), tmp_path / "sae"
     small_run(url)

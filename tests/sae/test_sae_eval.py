@@ -70,7 +70,7 @@ def test_eval_every_logs_the_held_out_metrics(sae_source, straight):
 def test_eval_reads_the_held_out_stream_and_status_shows_the_run(sae_source, straight):
     from rich.console import Console
 
-    from harvest.train.status import training_status
+    from harvest.training.status import training_status
 
     done = run_harvest("sae", "eval", straight, "--tokens", "2000", env=sae_source["env"])
     assert done.returncode == 0, done.stderr[-3000:]

@@ -17,7 +17,7 @@ def test_topk_reaches_sparsifys_fvu_on_the_same_activations(sae_source, tmp_path
     from harvest.sae import model as M
     from harvest.sae.config import SaeConfig
     from harvest.sae.export import load_sae_run, spec_of
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     steps = 40
     out = str(tmp_path / "harvest")
@@ -49,7 +49,7 @@ def test_relu_reaches_saelens_fvu_on_the_same_activations(sae_source, tmp_path):
     from harvest.sae import model as M
     from harvest.sae.config import SaeConfig
     from harvest.sae.export import load_sae_run, spec_of
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
 
     steps, batch, lr, l1 = 40, 64, 3e-3, 1.0
     out = str(tmp_path / "harvest")

@@ -199,7 +199,7 @@ def test_sae_train_records_skip_first_and_eval_and_export_follow_it(runs, tmp_pa
     from harvest.sae.config import SaeConfig
     from harvest.sae.evaluate import evaluate
     from harvest.sae.export import export, load_sae_run, spec_of
-    from harvest.sae.job import run_sae_train
+    from harvest.training.run import train as run_sae_train
     from harvest.sae.splice import ce_loss_recovered
 
     out = str(tmp_path / "sae")

@@ -1,4 +1,4 @@
-"""Checkpoint steps in storage (harvest.train.step_parts) on local disk, GCS and S3: a step is complete only
+"""Checkpoint steps in storage (harvest.training.step_parts) on local disk, GCS and S3: a step is complete only
 when every process's marker of one attempt is there, so a part left by a killed attempt is never joined with
 a later attempt's; files stream in chunks and come back checked against their markers, a damaged one
 named in one line. (Training through them, kills and damage included: tests/decoder/test_train_resume.py,
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harvest.train import step_parts
+from harvest.training import step_parts
 from harvest.storage import Storage
 
 KILLED, LATER = "20260101T000000Z-0000000a", "20260101T000500Z-0000000b"

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from harvest.errors import UserError
-from harvest.train.trm import model as trm_model
-from harvest.train.trm.carry import empty_carry, halt, reset
-from harvest.train.trm.config import PRESETS, TrmConfig, TrmOptim, preset
-from harvest.train.trm.layers import rope_tables
-from harvest.train.trm.loss import act_loss, halt_bce, halt_target, stablemax_cross_entropy
-from harvest.train.trm.optim import adam_atan2, ema_update, sparse_sign_sgd
+from harvest.trm import model as trm_model
+from harvest.trm.carry import empty_carry, halt, reset
+from harvest.trm.hparams import PRESETS, TrmConfig, TrmOptim, preset
+from harvest.trm.layers import rope_tables
+from harvest.trm.loss import act_loss, halt_bce, halt_target, stablemax_cross_entropy
+from harvest.trm.optim import adam_atan2, ema_update, sparse_sign_sgd
 
 TINY = TrmConfig(vocab_size=7, seq_len=6, num_puzzle_identifiers=5, hidden=16, heads=2, expansion=2.0,
                  H_cycles=3, L_cycles=2, halt_max_steps=4, puzzle_emb_ndim=16, puzzle_emb_len=2).validate()
@@ -224,7 +224,7 @@ def test_train_step_keeps_the_carry_until_halt_and_one_device_equals_eight():
     batch's; puzzle-embedding rows not in the batch stay as they were; the same steps on 8 devices (batch
     split over `data`) and on 1 give the same state and carry."""
     from harvest.runtime.mesh import make_mesh
-    from harvest.train.trm.step import init_state, make_train_step
+    from harvest.trm.step import init_state, make_train_step
 
     cfg = dataclasses.replace(TINY, H_cycles=2, L_cycles=1, L_layers=1, halt_max_steps=2,
                               halt_exploration_prob=0.0)

@@ -32,7 +32,7 @@ def restored(out: str) -> dict:
     """The newest checkpoint's whole tree: state (params, opt_state, ema, puzzle_emb, states, key) and carry."""
     import jax
 
-    from harvest.train.trm.evaluate import load_run
+    from harvest.trm.evaluate import load_run
 
     *_, state = load_run(out)
     return jax.device_get(state)
@@ -44,7 +44,7 @@ def test_killed_and_preempted_runs_resume_to_the_uninterrupted_state(sudokus, st
     metrics.jsonl has every step once; status shows the run."""
     from rich.console import Console
 
-    from harvest.train.status import training_status
+    from harvest.training.status import training_status
 
     out = str(tmp_path / "run")
     kill_hold_resume(train_args(sudokus["data"], out), sudokus["env"], STEPS)
@@ -155,7 +155,7 @@ def test_arc_pass_at_k_undoes_augmentations_and_votes(tmp_path):
     from harvest.puzzles.build import build_puzzles
     from harvest.puzzles.config import PuzzlesConfig
     from harvest.puzzles.format import open_puzzles
-    from harvest.train.trm.evaluate import arc_pass_at
+    from harvest.trm.evaluate import arc_pass_at
 
     for subset in ("training", "evaluation"):
         (tmp_path / "arc" / subset).mkdir(parents=True)

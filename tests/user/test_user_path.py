@@ -229,13 +229,13 @@ def test_the_progress_line_counts_records_and_samples_together(tmp_path):
 
 
 def test_wandb_files_go_under_the_runs_out_not_the_current_directory(tmp_path):
-    """The one path every trainer's metrics take (decoder, TRM, `sae train`: harvest.train.runlog.MetricsFile),
+    """The one path every trainer's metrics take (decoder, TRM, `sae train`: harvest.training.metrics.MetricsFile),
     with W&B offline, run from another directory and no $WANDB_DIR."""
     pytest.importorskip("wandb")
     cwd, out = tmp_path / "cwd", tmp_path / "run"
     cwd.mkdir()
     code = ("from harvest.storage import Storage\n"
-            "from harvest.train.runlog import MetricsFile, RunRecord\n"
+            "from harvest.training.metrics import MetricsFile, RunRecord\n"
             "record = RunRecord(kind='trm', config={}, run_settings={}, mesh='data=1', config_sha256='x')\n"
             f"metrics = MetricsFile(Storage({str(out)!r}), 0, 'wandb', record)\n"
             "metrics.append({'step': 1, 'time': 0.0, 'loss': 1.5})\n"
@@ -247,7 +247,7 @@ def test_wandb_files_go_under_the_runs_out_not_the_current_directory(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert list((out / "wandb").glob("offline-run-*/run-*.wandb")), sorted(out.rglob("*"))
     assert list(cwd.iterdir()) == []
-    from harvest.train.curves import wandb_dir
+    from harvest.training.curves import wandb_dir
 
     remote = wandb_dir(Storage("gs://bucket/runs/trm"))
     assert remote.startswith(os.environ["HARVEST_CACHE"])
