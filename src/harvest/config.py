@@ -53,7 +53,7 @@ def help_line(field: dataclasses.Field) -> str:
 def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
     """One flag per config field, from its description (harvest.config.setting); defaults are None so YAML
     values show through unless a flag is given. `prefix` keeps the fields' names apart from the parser's
-    own (e.g. `run`, the handler, and `harvest sae --run`); `from_flags` builds the config back from them."""
+    own (e.g. `run`, the handler, and `harvest sae --run`)."""
     parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
     for field in dataclasses.fields(cls):
         kind = str(field.type).replace(" | None", "")
@@ -77,11 +77,6 @@ def _json_object(text: str) -> dict:
 
 
 _FLAG_TYPES = {"int": int, "float": float, "dict": _json_object}
-
-
-def from_flags(args: argparse.Namespace, cls: type, prefix: str = ""):
-    """The `cls` config from --config's YAML and the flags `add_flags` added for its fields (under `prefix`)."""
-    return build(cls, args.config, {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})
 
 
 def str_list(value: str | list | tuple | None) -> list[str]:
