@@ -22,13 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from harvest.config import parse_size
-from harvest.data.batching import Piece, StreamEnd, pack_stream
+from harvest.data.batching import SampleTokens as Piece, StreamEnd, pack_stream
 from harvest.extract import pipeline
 from harvest.extract.report import Progress
 from harvest.extract.shards import ShardWriter
 from harvest.model import handed, parse_points
 from harvest.store import encoding, format as fmt, quant
-from harvest.store.commit import Committer, ResumePoint
+from harvest.store.commit import ResumePoint
+from harvest.store.committer import Committer
 from harvest.store.records import Sidecar
 from harvest.store.stats import RunningStats
 from harvest.storage import Storage

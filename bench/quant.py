@@ -47,7 +47,7 @@ from table import show
 from harvest.read.run import open_run
 from harvest.storage import Storage
 from harvest.store import format as fmt, quant
-from harvest.store.commit import ClosedShard, Committer
+from harvest.store.committer import ClosedShard, Committer
 from harvest.store.stats import RunningStats
 
 FORMATS = ("bfloat16", "float8_e4m3fn", "int8")

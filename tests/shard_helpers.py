@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from harvest.store.commit import ClosedShard
+from harvest.store.committer import ClosedShard
 
 
 def closed_shard(shard: int = 0, final: bool = True) -> ClosedShard:

@@ -5,7 +5,7 @@ import pytest
 
 from harvest.data import arc as arclib
 from harvest.data import batching
-from harvest.data.batching import Piece, Skip, StreamEnd, pack_stream
+from harvest.data.batching import SampleTokens as Piece, Skip, StreamEnd, pack_stream
 
 
 def pieces_of(lengths) -> list[Piece]:

@@ -14,7 +14,7 @@ from shard_helpers import closed_shard
 
 from harvest.storage import Storage
 from harvest.store import encoding
-from harvest.store.commit import Committer
+from harvest.store.committer import Committer
 from harvest.store.listing import CorruptShardError, read_chain
 from harvest.store.records import Sidecar
 from harvest.store.snapshot import read_shard, shard_path

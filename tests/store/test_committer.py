@@ -14,7 +14,7 @@ from shard_helpers import closed_shard
 from harvest.errors import FencedOut
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.commit import Committer
+from harvest.store.committer import Committer
 from harvest.store.listing import read_chain
 
 
