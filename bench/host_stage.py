@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from harvest.config import parse_size
-from harvest.data.batching import SampleTokens as Piece, StreamEnd, pack_stream
+from harvest.data.batching import SampleTokens, StreamEnd, pack_stream
 from harvest.extract import pipeline
 from harvest.extract.report import Progress
 from harvest.extract.shards import ShardWriter
@@ -81,7 +81,7 @@ def synthetic_rows(args, batches: int) -> list:
     lengths = np.clip(rng.lognormal(np.log(300), 1.0, 4 * batches * args.batch_size * args.seq // 300),
                       50, args.seq).astype(int)
     lengths = lengths[: np.searchsorted(np.cumsum(lengths), 0.97 * batches * args.batch_size * args.seq)]
-    events = [Piece((i, 0), i, np.full(n, i % 1000, np.int32)) for i, n in enumerate(lengths)]
+    events = [SampleTokens((i, 0), i, np.full(n, i % 1000, np.int32)) for i, n in enumerate(lengths)]
     return list(pack_stream([*events, StreamEnd(len(events))], args.seq))
 
 

@@ -5,11 +5,11 @@ import pytest
 
 from harvest.data import arc as arclib
 from harvest.data import batching
-from harvest.data.batching import SampleTokens as Piece, Skip, StreamEnd, pack_stream
+from harvest.data.batching import SampleTokens, Skip, StreamEnd, pack_stream
 
 
-def pieces_of(lengths) -> list[Piece]:
-    return [Piece((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate(lengths)]
+def pieces_of(lengths) -> list[SampleTokens]:
+    return [SampleTokens((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate(lengths)]
 
 
 def efficiency(lengths, seq_len: int) -> float:
@@ -21,7 +21,7 @@ def efficiency(lengths, seq_len: int) -> float:
 def test_pack_stream_packs_blocks_best_fit_and_resumes_from_a_block_start(monkeypatch):
     monkeypatch.setattr(batching, "PACK_ROWS", 2)  # blocks of >= 20 tokens with rows of 10
     lengths = [5, 4, 6, 3, 8, 2, 9, 7, 1]
-    pieces = [Piece((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate(lengths)]
+    pieces = [SampleTokens((i, 0), i, np.full(n, i + 1, np.int32)) for i, n in enumerate(lengths)]
     skip = Skip((9, 0), 9, "line 10", "bad")
     rows = list(pack_stream([*pieces, skip, StreamEnd(10)], seq_len=10))
     # block 1: pieces 0-3 (18 tokens) + 4 -> 26 >= 20; best-fit decreasing: [8], [6, 4], [5, 3]

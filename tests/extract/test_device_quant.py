@@ -176,14 +176,14 @@ def test_pieces_beyond_the_device_slots_get_the_dequantized_codes_stats(code):
     """A row's pieces past the device's moment slots (here 2 of 3) get their moments and first token on the host,
     from the dequantized codes; the slots' come from the device as they are. The shard holds the codes and scales
     as handed (views, not copies)."""
-    from harvest.data.batching import SampleTokens as Piece, StreamEnd, pack_stream
+    from harvest.data.batching import SampleTokens, StreamEnd, pack_stream
     from harvest.extract.shards import ShardWriter
     from harvest.model import handed
     from harvest.store.commit import ResumePoint
     from harvest.store.stats import RunningStats
 
     lengths = [5, 6, 7]
-    (row,) = pack_stream([*(Piece((i, 0), i, np.full(n, 3, np.int32)) for i, n in enumerate(lengths)),
+    (row,) = pack_stream([*(SampleTokens((i, 0), i, np.full(n, 3, np.int32)) for i, n in enumerate(lengths)),
                           StreamEnd(3)], 32)
     x = hard_values(9)[0, 0, :32]
     captures, moments = jax.jit(handed, static_argnums=(2, 3))({"resid_post": x[None, None]}, row.segments[None],

@@ -11,7 +11,7 @@ from mutated_records import MAX_SEQ_LEN, PER_FORMAT, SEED, generate, valid_lines
 
 from harvest.config import ExtractConfig
 from harvest.data import arc as arclib
-from harvest.data.batching import SampleTokens as Piece, Skip, stream_pieces
+from harvest.data.batching import SampleTokens, Skip, stream_pieces
 from harvest.data.prompts import SampleError, encoder, load_tokenizer, make_renderer
 from harvest.data.sources import Record, iter_records
 from harvest.data.streams import create_streams
@@ -144,7 +144,7 @@ def plain_encode(texts):
 
 
 def outcome(events):
-    return [(e.pos, e.reason) if isinstance(e, Skip) else (e.pos, e.tokens.tolist()) if isinstance(e, Piece)
+    return [(e.pos, e.reason) if isinstance(e, Skip) else (e.pos, e.tokens.tolist()) if isinstance(e, SampleTokens)
             else e.records for e in events]
 
 
