@@ -31,7 +31,7 @@ demo: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/harvest demo
 
 # SkyPilot in its own environment (its click pin conflicts with huggingface_hub's): `harvest fleet` calls
-# its SDK there, and tests/fleet/test_fleet.py loads the emitted tasks with it.
+# its SDK there, and tests/fleet/test_tasks.py loads the emitted tasks with it.
 SKY_VENV ?= .venv-sky
 $(SKY_VENV)/.installed:
 	$(PYTHON) -m venv $(SKY_VENV)

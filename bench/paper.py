@@ -1,5 +1,5 @@
 """On paper: what extraction should reach per chip, from the chips' published numbers (harvest.runtime.chips) and
-the models' shapes (harvest.model.flops), for the README's Performance section. No accelerator needed.
+the models' shapes (harvest.model.flops), for docs/performance.md. No accelerator needed.
 
 Per model, the forward's FLOPs per token in a row of --seq tokens: the matmuls of the layers run (no LM head:
 extraction exits after the last captured layer), plus attention as dense computes it ([seq, seq], every

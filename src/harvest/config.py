@@ -55,7 +55,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> N
     values show through unless a flag is given. `prefix` keeps the fields' names apart from the parser's
     own (e.g. `run`, the handler, and `harvest sae --run`)."""
     parser.add_argument("--config", help="YAML file with any of these settings (flags win)")
-    for field in dataclasses.fields(cls):
+    for field in _own_fields_first(cls):
         kind = str(field.type).replace(" | None", "")
         if kind == "bool":
             parser.add_argument(flag(field.name), dest=prefix + field.name, action="store_true", default=None,
@@ -63,6 +63,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> N
         else:
             parser.add_argument(flag(field.name), dest=prefix + field.name, type=_FLAG_TYPES.get(kind, str),
                                 default=None, metavar=field.name.upper(), help=help_line(field))
+
+
+def _own_fields_first(cls: type) -> list[dataclasses.Field]:
+    """A config's fields, its own before those it inherits (a trainer's settings before the runtime's), so a
+    command's --help starts with what it is about."""
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    fields = dataclasses.fields(cls)
+    return [f for f in fields if f.name not in inherited] + [f for f in fields if f.name in inherited]
 
 
 def _json_object(text: str) -> dict:

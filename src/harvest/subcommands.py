@@ -8,7 +8,7 @@ import dataclasses
 
 
 def config_from(args: argparse.Namespace, cls, prefix: str = ""):
-    """The `cls` config from --config's YAML and the flags harvest.cli added for its fields (under `prefix`)."""
+    """The `cls` config from --config's YAML and the flags harvest.config.add_flags made of its fields (under `prefix`)."""
     from harvest import config
 
     return config.build(cls, args.config, {f.name: getattr(args, prefix + f.name) for f in dataclasses.fields(cls)})

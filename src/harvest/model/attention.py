@@ -3,7 +3,7 @@ seq^2 memory), blocks (the block pairs that share a segment; CPU extraction), sp
 Pallas flash kernel; public API, so it runs in interpret mode in the tests), auto. A token sees the earlier
 tokens of its own segment (in its sliding window); padding sees padding, so no softmax row is empty. The
 kernels run compiled on their own backend and interpreted elsewhere. Each implementation's trade-offs:
-docs/performance.md."""
+docs/extracting.md (Attention kernels)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a token costs: matmul FLOPs of the weights it meets plus attention's score and value products, for the
-MFU that training logs, the benches and the README's on-paper model.
+MFU that training logs, the benches and the on-paper model (docs/performance.md).
 
 Attention costs 4 x heads x head_dim FLOPs per (query, key) pair a layer computes (q.k and the weighted sum of v,
 2 FLOPs per multiply-add each). How many keys a query meets is the kernel's business: a dense [seq, seq] product

@@ -1,5 +1,5 @@
 """The accelerators harvest runs on, as their vendors publish them: peak bf16 FLOP/s, HBM size and bandwidth,
-chip-to-chip bandwidth. One table, read by training's MFU, the benches and the README's on-paper model.
+chip-to-chip bandwidth. One table, read by training's MFU, the benches and the on-paper model (docs/performance.md).
 
 Numbers are per JAX device: one per chip on TPU v4/v5e/v5p/v6e (a v4 chip's two TensorCores are one device)
 and per GPU. Peaks are dense (no structured sparsity).

@@ -12,7 +12,7 @@ from harvest.store.format import tensor_name
 from harvest.training.config import RuntimeConfig, compute_dtype_setting, like, param_dtype_setting
 
 ARCHITECTURES = ("topk", "batchtopk", "jumprelu", "relu")
-DEFAULT_MAX_NORM = 10.0  # --max-norm's default R (bench/outliers.py; README "Massive activations")
+DEFAULT_MAX_NORM = 10.0  # --max-norm's default R (bench/outliers.py; docs/saes.md, Massive activations)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
