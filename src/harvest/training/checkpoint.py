@@ -3,23 +3,10 @@ moments, step) written by every process for the shards it holds, plus the data p
 are asynchronous (training goes on while they land), every `checkpoint_every` steps or when forced
 (SIGTERM, the end), keeping the newest `keep`.
 
-Hosts may share no filesystem, so orbax never writes the run itself: it saves into a local staging
-directory of each process, and once orbax has finished step S each process uploads, in a background
-thread, the files it wrote for S as its part of the step, through Storage, then its marker
-(training/step_parts.py: a step is complete when every process's marker of one attempt is there; nobody
-waits for anybody). The same holds for a local path, so one protocol, with its checks, serves every URL.
-At most one upload is in flight: the next save waits for it, and so do SIGTERM and the end of a run.
-Process 0 then prunes complete steps beyond `keep`. A restore (a fresh machine) downloads the newest
-complete copy, every part of it, checked against its markers as it streams, into staging and lets orbax
-read it there; a damaged copy is skipped with a warning for the one before.
-
-What orbax 0.12.8 writes per step when every process is primary and ocdbt is off (as harvest saves):
-every process: _CHECKPOINT_METADATA, commit_success.txt (here, in state/ and in data/), state/_METADATA,
-data/metadata, state/array_metadatas/process_N and the zarr chunk files of its shards; process 0 alone:
-state/_sharding and each array's .zarray. Orbax's defaults cannot be mirrored: with ocdbt, process 0
-merges every process's ocdbt.process_N into one root manifest and other processes wait for directories
-process 0 creates, both of which need a shared filesystem. (Nor is orbax ever given a bucket URL: 0.12.8
-turns s3:// into a local path, and its tensorstore ignores the GCS emulator.)
+Hosts may share no filesystem, so orbax saves into each process's local staging directory and each
+process uploads its own files of a step through Storage, then its marker (training/step_parts.py); a
+restore downloads the newest complete step, checked as it streams. Why orbax is set up this way:
+docs/training.md, Checkpoints and resume.
 """
 
 from __future__ import annotations
