@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 comma := ,
 
-.PHONY: demo test docs bench clean image base-image image-test
+.PHONY: demo test browser docs bench clean image base-image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,15 @@ $(SKY_VENV)/.installed:
 	$(SKY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "skypilot[gcp]==0.14.1"
 	touch $@
 
-test: $(VENV)/.installed-test $(SKY_VENV)/.installed
+# The browser the latents' site is tested in (tests/browser.py): Debian's chromium and chromedriver, installed
+# when missing and we are root (selenium cannot download a browser here); otherwise those tests skip, saying why.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	else echo "make browser: no /usr/bin/chromium or /usr/bin/chromedriver and not root: the browser tests skip (apt-get install chromium chromium-driver)"; fi
+
+test: browser $(VENV)/.installed-test $(SKY_VENV)/.installed
 	HARVEST_SKYPILOT_PYTHON=$(SKY_VENV)/bin/python $(BIN)/python -m pytest
 
 $(VENV)/.installed-docs: pyproject.toml | $(BIN)/python
