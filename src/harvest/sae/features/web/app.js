@@ -55,6 +55,8 @@ function fmt(x) {
 }
 
 const CONTROL = { "\n": "↵", "\t": "⇥", "\x7f": "␡" };
+function int(n) { return Number(n).toLocaleString("en-US"); }
+
 function shown(token) { // control characters as visible symbols (newline ↵), the rest as is
   return token.replace(/[\x00-\x1f\x7f]/g, (c) => CONTROL[c] || String.fromCharCode(0x2400 + c.charCodeAt(0)));
 }
@@ -93,12 +95,13 @@ async function home(mine) {
   const site = await load("data/site.js");
   const head = ["tensor", "latents", "tokens read", "dead", "dense", "architecture", "width"];
   const rows = site.tensors.map((t) => el("tr", {},
-    el("td", {}, el("a", { href: `#/${t.tensor}` }, t.tensor)), el("td", {}, t.latents), el("td", {}, t.tokens),
-    el("td", {}, t.dead), el("td", {}, `${t.dense} (density > ${fmt(t.dense_above)})`), el("td", {}, t.architecture),
-    el("td", {}, t.width)));
+    el("td", {}, el("a", { href: `#/${t.tensor}` }, t.tensor)), el("td", {}, int(t.latents)), el("td", {}, int(t.tokens)),
+    el("td", {}, int(t.dead)), el("td", {}, `${int(t.dense)} (density > ${fmt(t.dense_above)})`),
+    el("td", {}, t.architecture), el("td", {}, int(t.width))));
   draw(mine, "tensors", [], el("h1", {}, "SAE latents"),
     dl([["SAE run", site.sae_run], ["step", site.step], ["model", site.model || "none given"],
-      ["runs read", site.runs.join(", ")], ["streams", site.streams.map((s) => s.join(",")).join(" | ")]]),
+      ["runs read", site.runs.join(", ")], ["streams", site.streams.map((s) => s.join(",")).join(" | ")],
+      ["settings", Object.entries(site.settings).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(" · ")]]),
     el("table", { id: "tensors" }, el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { scope: "col" }, h)))),
       el("tbody", {}, ...rows)));
 }
@@ -161,7 +164,7 @@ async function tensorIndex(mine, tensor) {
     st.page = Math.min(st.page, pages - 1);
     const start = st.page * PAGE;
     tbody.replaceChildren(...ids.slice(start, start + PAGE).map((i) => row(tensor, index, i)));
-    status.textContent = ids.length ? `${start + 1}–${Math.min(start + PAGE, ids.length)} of ${ids.length} (page ${st.page + 1} of ${pages})`
+    status.textContent = ids.length ? `${int(start + 1)}–${int(Math.min(start + PAGE, ids.length))} of ${int(ids.length)} (page ${int(st.page + 1)} of ${int(pages)})`
       : `no latent has a top token containing “${st.query}”`;
     prev.disabled = st.page === 0;
     next.disabled = st.page >= pages - 1;
@@ -177,8 +180,8 @@ async function tensorIndex(mine, tensor) {
   search.addEventListener("input", () => { st.query = search.value; st.page = 0; ids = order(index, st); fill(); });
   fill();
   draw(mine, tensor, [[tensor]], el("h1", {}, tensor),
-    el("p", { class: "summary" }, `${summary.latents} latents · ${summary.tokens} tokens read · ${summary.dead} dead · `
-      + `${summary.dense} dense (density > ${fmt(summary.dense_above)}) · ${summary.architecture}, width ${summary.width}`),
+    el("p", { class: "summary" }, `${int(summary.latents)} latents · ${int(summary.tokens)} tokens read · ${int(summary.dead)} dead · `
+      + `${int(summary.dense)} dense (density > ${fmt(summary.dense_above)}) · ${summary.architecture}, width ${int(summary.width)}`),
     el("p", { class: "search" }, el("label", { for: "search" }, "Top token contains "), search),
     el("table", { id: "latents" }, el("caption", {}, "Latents: click a column's name to sort by it"),
       el("thead", {}, el("tr", {}, ...heads, el("th", { scope: "col" }, "top tokens"), el("th", { scope: "col" }, "flags"))),
@@ -199,18 +202,20 @@ function context(c, max) {
 
 function contexts(list, max, cls) { return el("ol", { class: `contexts ${cls}` }, ...list.map((c) => context(c, max))); }
 
-function histogram(edges, counts) {
-  const W = 640, H = 160, base = H + 20;
+function histogram(edges, counts) { // bars of the counts, the largest labelled; each bar's range and count on hover
+  const W = 640, H = 160, T = 18, base = H + 20;
   const top = Math.max(1, ...counts);
   const w = W / counts.length;
   const lo = fmt(edges[0]), hi = fmt(edges[edges.length - 1]);
+  const height = (c) => (H - T) * c / top;
   return svg("svg", { class: "histogram", viewBox: `0 0 ${W} ${base}`, role: "img",
     "aria-label": `Histogram of the activations where it fired, ${lo} to ${hi}` },
-    ...counts.map((c, k) => svg("rect", { class: "hbar", x: (k * w).toFixed(2), y: (H - H * c / top).toFixed(2),
-      width: Math.max(0.5, w - 1).toFixed(2), height: (H * c / top).toFixed(2) },
-      svg("title", {}, `${fmt(edges[k])} to ${fmt(edges[k + 1])}: ${c}`))),
+    ...counts.map((c, k) => svg("rect", { class: "hbar", x: (k * w).toFixed(2), y: (H - height(c)).toFixed(2),
+      width: Math.max(0.5, w - 1).toFixed(2), height: height(c).toFixed(2) },
+      svg("title", {}, `${fmt(edges[k])} to ${fmt(edges[k + 1])}: ${int(c)}`))),
     svg("line", { x1: 0, y1: H, x2: W, y2: H, class: "axis" }),
-    svg("text", { x: 0, y: base - 4 }, lo), svg("text", { x: W, y: base - 4, "text-anchor": "end" }, hi));
+    svg("text", { x: 0, y: 12 }, `${int(top)} tokens`), svg("text", { x: 0, y: base - 4 }, lo),
+    svg("text", { x: W, y: base - 4, "text-anchor": "end" }, hi));
 }
 
 function logits(caption, cls, pairs) {
@@ -219,11 +224,10 @@ function logits(caption, cls, pairs) {
     el("tbody", {}, ...pairs.map(([t, v]) => el("tr", {}, el("td", {}, tok(t)), el("td", { class: "num" }, fmt(v))))));
 }
 
-async function latentPage(mine, tensor, i) {
+async function latentPage(mine, tensor, part) {
   const [, summary, index] = await tensorData(tensor);
-  if (!Number.isInteger(i) || i < 0 || i >= index.latents) {
-    throw new Error(`no latent ${i} in ${tensor}: it has latents 0 to ${index.latents - 1}`);
-  }
+  const i = /^\d+$/.test(part) ? Number(part) : -1;
+  if (i < 0 || i >= index.latents) throw new Error(`no latent ${part} in ${tensor}: it has latents 0 to ${index.latents - 1}`);
   const lat = (await load(blockPath(tensor, Math.floor(i / index.block))))[i % index.block];
   const nav = el("p", { class: "latent-nav" }, el("a", { class: "back", href: `#/${tensor}` }, "↑ all latents"),
     i > 0 ? el("a", { class: "prev", href: `#/${tensor}/${i - 1}`, rel: "prev" }, `‹ latent ${i - 1}`) : null,
@@ -234,7 +238,7 @@ async function latentPage(mine, tensor, i) {
   const hasLogits = lat.top_logits.length + lat.bottom_logits.length > 0;
   if (draw(mine, `latent ${i} · ${tensor}`, [[tensor, `#/${tensor}`], [`latent ${i}`]], nav,
     el("h1", {}, `Latent ${i} `, flags(index.flag[i])),
-    dl([["fired on", `${lat.count} of ${summary.tokens} tokens`], ["density", fmt(lat.density)],
+    dl([["fired on", `${int(lat.count)} of ${int(summary.tokens)} tokens`], ["density", fmt(lat.density)],
       ["max activation", fmt(lat.max)], ["mean activation (where it fired)", fmt(lat.mean)]]),
     el("section", { id: "top" }, el("h2", {}, "Top activations"), fired
       ? contexts(lat.top, lat.max, "top-examples") : el("p", { class: "note" }, "It never fired on the tokens read.")),
@@ -252,7 +256,7 @@ function route() {
   const mine = ++ticket;
   const parts = location.hash.replace(/^#\/?/, "").split("/").filter(Boolean).map(decodeURIComponent);
   const view = parts.length === 0 ? home(mine) : parts.length === 1 ? tensorIndex(mine, parts[0])
-    : latentPage(mine, parts[0], Number(parts[1]));
+    : latentPage(mine, parts[0], parts[1]);
   view.catch((err) => draw(mine, "error", [], el("p", { class: "error", role: "alert" }, String(err.message || err))));
 }
 
