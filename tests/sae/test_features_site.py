@@ -23,7 +23,7 @@ from harvest.errors import UserError
 from harvest.sae.features import screenshot
 from harvest.sae.features.record import Bin, Context, FeaturesRecord, Latent, TensorSummary
 from harvest.sae.features.serve import serve
-from harvest.sae.features.site import BLOCK, SiteWriter, short
+from harvest.sae.features.site import BLOCK, SiteWriter, script, short
 from harvest.storage.storage import Storage
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -168,6 +168,13 @@ def test_data_files_are_scripts_of_the_records(site):
     assert index["count"] == [x.count for x in xs]
     assert index["max"] == pytest.approx([x.max for x in xs], rel=1e-5)
     assert index["top"] == [top_tokens(x) for x in xs]
+
+
+def test_data_scripts_keep_any_string_inside_their_json():
+    strings = ["</script><script>alert(1)</script>", "\u2028\u2029", "\ud800 lone", "é\n\t\"'\\", "<!--"]
+    text = script("data/t/block_0000.js", strings).decode("utf-8")
+    assert "</" not in text and not any(c in text for c in "\u2028\u2029\ud800")
+    assert json.loads(re.fullmatch(r'harvestRegister\("[^"]*",(.*)\);\n', text, re.S).group(1)) == strings
 
 
 def test_writer_refuses_blocks_out_of_order_and_a_short_close(tmp_path):

@@ -83,7 +83,10 @@ function draw(mine, title, crumbs, ...content) {
   document.title = `${title} · SAE latents`;
   const nav = document.getElementById("crumbs");
   nav.replaceChildren(...crumbs.flatMap(([text, href]) => [" › ", href ? el("a", { href }, text) : el("span", {}, text)]));
-  document.getElementById("main").replaceChildren(...content);
+  const main = document.getElementById("main");
+  const following = document.activeElement !== document.body; // a link or key took us here: focus goes on with us
+  main.replaceChildren(...content);
+  if (following) main.focus({ preventScroll: true });
   return true;
 }
 
