@@ -1,0 +1,118 @@
+"""The pass's running state on the devices, updated by one jitted step per batch with no host round trip;
+handed to the host (sae/features/state.py) once per shard.
+
+Rows are split over the devices for the encoding (params replicated); the [B, L] activations are then
+split by latent, and the per-latent state ([L, ...]) lives split by latent too. Top-K and the sample merge a
+batch by lax.top_k over [kept, batch]: on equal values the lower index wins, and both the kept entries (ties
+in position order) and the batch's (in offset order) come earlier than anything later in the pass, so
+the earlier token wins, as state.merge orders them.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from harvest.sae import model as M
+from harvest.sae.features.state import NO_KEY, NUM_BINS, TensorState, add_exact, bin_index, sample_key
+
+AXIS = "devices"
+
+
+class Running(NamedTuple):
+    """Kept across shards: max, top-K and sample; per shard (reset at each flush): count, sum, histogram."""
+
+    max: jax.Array
+    top_value: jax.Array
+    top_pos: jax.Array
+    sample_key: jax.Array
+    sample_value: jax.Array
+    sample_pos: jax.Array
+    count: jax.Array
+    sum: jax.Array
+    hist: jax.Array
+
+
+def device_mesh() -> Mesh:
+    return Mesh(np.array(jax.local_devices()), (AXIS,))
+
+
+def latent_sharding(mesh: Mesh, latents: int) -> NamedSharding:
+    """[L, ...] arrays split by latent over the devices (replicated where the count does not divide L)."""
+    return NamedSharding(mesh, PartitionSpec(AXIS) if latents % mesh.size == 0 else PartitionSpec())
+
+
+def row_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(AXIS) if rows % mesh.size == 0 else PartitionSpec())
+
+
+def start(state: TensorState, mesh: Mesh) -> Running:
+    """The device state from a host one (kept fields as saved; per-shard ones at zero)."""
+    latents = len(state.count)
+    put = partial(jax.device_put, device=latent_sharding(mesh, latents))
+    return Running(put(state.max), put(state.top_value), put(state.top_pos), put(state.sample_key),
+                   put(state.sample_value), put(state.sample_pos), put(np.zeros(latents, np.int32)),
+                   put(np.zeros(latents, np.float32)), put(np.zeros((latents, NUM_BINS), np.int32)))
+
+
+def flush(running: Running, state: TensorState, mesh: Mesh) -> Running:
+    """Add the shard's counts, sum and histogram into the host `state` (in place); the running state with
+    them at zero again."""
+    count, total, hist = jax.device_get((running.count, running.sum, running.hist))
+    state.count += count
+    add_exact(state.sum_hi, state.sum_lo, total)
+    state.hist += hist
+    put = partial(jax.device_put, device=latent_sharding(mesh, len(count)))
+    return running._replace(count=put(np.zeros_like(count)), sum=put(np.zeros_like(total)),
+                            hist=put(np.zeros_like(hist)))
+
+
+def kept(running: Running, state: TensorState) -> None:
+    """Copy the kept fields (max, top-K, sample) into the host `state` (flush first: the per-shard ones)."""
+    fields = ("max", "top_value", "top_pos", "sample_key", "sample_value", "sample_pos")
+    for name, value in zip(fields, jax.device_get([getattr(running, f) for f in fields])):
+        setattr(state, name, np.asarray(value))
+
+
+def make_update(spec: M.Spec, mesh: Mesh):
+    """jitted (running, params, x [B, d] float32, valid [B] bool, ordinal int32, offsets [B] int32) -> running
+    (donated). Put x and valid with `row_sharding` first."""
+    by_latent = latent_sharding(mesh, spec.latents)
+
+    def update(run: Running, params: dict, x: jax.Array, valid: jax.Array, ordinal: jax.Array,
+               offsets: jax.Array) -> Running:
+        acts = jnp.where(valid[:, None], M.encode(params, x, spec, inference=True), 0.0)
+        fired = acts > 0
+        count = run.count + jnp.sum(fired, axis=0, dtype=jnp.int32)
+        total = run.sum + jnp.sum(acts, axis=0)
+        top = jnp.maximum(run.max, jnp.max(acts, axis=0))
+        acts_t = jax.lax.with_sharding_constraint(acts.T, by_latent)  # [L, B]: each latent's batch, together
+        fired_t = acts_t > 0
+        top_value, top_pos, _ = _merge(run.top_value, run.top_pos, jnp.where(fired_t, acts_t, -jnp.inf),
+                                       ordinal, offsets)
+        lat = jnp.arange(spec.latents, dtype=jnp.int32)
+        keys = jnp.where(fired_t, sample_key(jnp, ordinal, offsets[None, :], lat[:, None]), NO_KEY)
+        skey, spos, chosen = _merge(run.sample_key, run.sample_pos, keys, ordinal, offsets)
+        svalue = jnp.take_along_axis(jnp.concatenate([run.sample_value, acts_t], axis=1), chosen, axis=1)
+        where = jnp.where(fired, bin_index(jnp, acts) + lat[None, :] * NUM_BINS, spec.latents * NUM_BINS)
+        hist = run.hist.reshape(-1).at[where.reshape(-1)].add(1, mode="drop").reshape(run.hist.shape)
+        return Running(top, top_value, top_pos, skey, svalue, spos, count, total, hist)
+
+    return jax.jit(update, donate_argnums=0)
+
+
+def _merge(kept, kept_pos, batch, ordinal, offsets):
+    """The kept [L, n] entries and a batch's [L, B] merged: the n largest (on ties the lower index: kept first),
+    their positions, and the indices chosen in [kept, batch]."""
+    n = kept.shape[1]
+    both = jnp.concatenate([kept, batch], axis=1)
+    value, chosen = jax.lax.top_k(both, n)
+    old = jnp.take_along_axis(kept_pos, jnp.clip(chosen, 0, n - 1)[..., None], axis=1)
+    new = jnp.stack([jnp.broadcast_to(ordinal, chosen.shape), offsets[jnp.clip(chosen - n, 0, len(offsets) - 1)]],
+                    axis=-1)
+    return value, jnp.where((chosen < n)[..., None], old, new), chosen
