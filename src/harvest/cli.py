@@ -60,6 +60,7 @@ def _commands() -> Actions:
     from harvest.decoder.config import TrainConfig
     from harvest.puzzles.config import PuzzlesConfig
     from harvest.sae.config import SaeConfig
+    from harvest.sae.features.config import FeaturesConfig
 
     run_url = arg("url", metavar="URL", help="the run's URL: a local directory, gs:// or s3://")
     step = arg("--step", type=int, default=None, help="the checkpoint's step (default: newest)")
@@ -104,9 +105,10 @@ def _commands() -> Actions:
                             "every host then reads it from there.",
                             args=(arg("kind", metavar="KIND", help="sudoku | maze | arc"),),
                             config=PuzzlesConfig, run=subcommands.puzzles),))),
-        Command("sae", help="sparse autoencoders on a run's activations: train, eval, export",
+        Command("sae", help="sparse autoencoders on a run's activations: train, eval, export, features",
                 description="Sparse autoencoders on a harvest run's activations. Each action has its own flags: "
-                "`harvest sae train --help`, `harvest sae eval --help`, `harvest sae export --help`.",
+                "`harvest sae train --help`, `harvest sae eval --help`, `harvest sae export --help`, "
+                "`harvest sae features --help`.",
                 actions=Actions("action", commands=(
                     Command("train", help="train SAEs on a run's tensors (rerunning resumes)",
                             description="Train TopK/BatchTopK/JumpReLU/ReLU SAEs on a run's tensors, latents over "
@@ -147,7 +149,26 @@ def _commands() -> Actions:
                                   arg("--out", dest="sae_out", required=True, metavar="DIR",
                                       help="the directory to write"),
                                   step),
-                            run=subcommands.sae)))),
+                            run=subcommands.sae),
+                    Command("features", help="what each latent means: a site of its top contexts, density, "
+                            "histogram and logits (`features serve DIR` serves one)",
+                            description="One pass over a run's stored activations and tokens (the SAE's held-out "
+                            "streams by default; no model is run) encodes them with the SAE on the devices and keeps, "
+                            "per latent, its firing count, max and mean, its top tokens and samples of its quantile "
+                            "bins with +/- --window tokens of context, and its activation histogram; with the model's "
+                            "weights (--model, or the one the run's run.json names) the tokens its decoder direction "
+                            "promotes and suppresses. It writes a static site into --out (open index.html, or "
+                            "`harvest sae features serve DIR`), and with --neuronpedia the SAEDashboard/Neuronpedia "
+                            "JSON layout. Rerunning the same command resumes the pass; processes split it with "
+                            "--rank/--world, and the last to finish writes the site. "
+                            "e.g. harvest sae features gs://b/sae --out site/ --top 20 --window 8",
+                            args=(arg("features_target", metavar="SAE_RUN",
+                                      help="the SAE run's URL; or `serve`, then DIR: serve a built site over HTTP"),
+                                  arg("features_dir", nargs="?", default=None, metavar="DIR",
+                                      help="with `serve`: the site's directory (the --out it was built into)"),
+                                  arg("--port", dest="features_port", type=int, default=8000, metavar="N",
+                                      help="with `serve`: the port (default: %(default)s)")),
+                            config=FeaturesConfig, prefix="features_", run=subcommands.sae)))),
         Command("streams", help="split a source into disjoint streams",
                 actions=Actions("streams_command", commands=(
                     Command("create", help="write stream_NNNNN.jsonl files + streams.json",

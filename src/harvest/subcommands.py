@@ -66,6 +66,8 @@ def puzzles(args: argparse.Namespace) -> int:
 
 
 def sae(args: argparse.Namespace) -> int:
+    if args.action == "features":
+        return _features(args)
     if args.action == "export":
         from harvest.sae.export import export
 
@@ -85,6 +87,39 @@ def sae(args: argparse.Namespace) -> int:
     from harvest.training.kinds import KINDS
 
     return _train(config_from(args, KINDS["sae"].config(), "sae_"))
+
+
+def _features(args: argparse.Namespace) -> int:
+    """`harvest sae features SAE_RUN --out DIR`, or `harvest sae features serve DIR`."""
+    from harvest.errors import UserError
+    from harvest.sae.features.config import FeaturesConfig
+
+    if args.features_target == "serve":
+        if not args.features_dir:
+            raise UserError("harvest sae features serve DIR: give the site's directory (the --out it was built into)")
+        from harvest.sae.features.serve import serve
+
+        serve(args.features_dir, args.features_port)
+        return 0
+    if args.features_dir is not None:
+        raise UserError(f"harvest sae features: unexpected {args.features_dir!r} after the SAE run (did you mean "
+                        "--out DIR?)")
+    if args.features_sae is None:
+        args.features_sae = args.features_target
+    from harvest.sae.features.build import run_features
+
+    done = run_features(config_from(args, FeaturesConfig, "features_"))
+    if not done["built"]:
+        print(f"{done['out']}: this rank's part is done; the site is written by the rank that finishes last "
+              f"(waiting for rank(s) {', '.join(map(str, done['waiting']))})")
+        return 0
+    for t in done["tensors"]:
+        print(f"{t['tensor']}: {t['latents']:,} latents over {t['tokens']:,} tokens, {t['dead']:,} dead, "
+              f"{t['dense']:,} dense (firing on more than {t['dense_above']:g} of tokens)")
+    local = "://" not in done["out"]
+    print(f"open {done['out']}/index.html" if local else f"wrote {done['out']}/index.html")
+    print(f"or serve it: harvest sae features serve {done['out']}" + ("" if local else " (after copying it here)"))
+    return 0
 
 
 def _print_summary(summary: dict) -> None:

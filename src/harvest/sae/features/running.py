@@ -96,9 +96,11 @@ def make_update(spec: M.Spec, mesh: Mesh):
         top_value, top_pos, _ = _merge(run.top_value, run.top_pos, jnp.where(fired_t, acts_t, -jnp.inf),
                                        ordinal, offsets)
         lat = jnp.arange(spec.latents, dtype=jnp.int32)
-        keys = jnp.where(fired_t, sample_key(jnp, ordinal, offsets[None, :], lat[:, None]), NO_KEY)
-        skey, spos, chosen = _merge(run.sample_key, run.sample_pos, keys, ordinal, offsets)
-        svalue = jnp.take_along_axis(jnp.concatenate([run.sample_value, acts_t], axis=1), chosen, axis=1)
+        skey, spos, svalue = run.sample_key, run.sample_pos, run.sample_value
+        if skey.shape[1]:  # --bins 0: no sample
+            keys = jnp.where(fired_t, sample_key(jnp, ordinal, offsets[None, :], lat[:, None]), NO_KEY)
+            skey, spos, chosen = _merge(skey, spos, keys, ordinal, offsets)
+            svalue = jnp.take_along_axis(jnp.concatenate([run.sample_value, acts_t], axis=1), chosen, axis=1)
         where = jnp.where(fired, bin_index(jnp, acts) + lat[None, :] * NUM_BINS, spec.latents * NUM_BINS)
         hist = run.hist.reshape(-1).at[where.reshape(-1)].add(1, mode="drop").reshape(run.hist.shape)
         return Running(top, top_value, top_pos, skey, svalue, spos, count, total, hist)
