@@ -16,7 +16,6 @@ import numpy as np
 
 from harvest.read.layout import checked_layout, checked_offsets
 from harvest.read.shuffle import Piece
-from harvest.sae import model as M
 from harvest.sae.features import running as R
 from harvest.sae.features.plan import Plan
 from harvest.sae.features.record import Bin, Context
@@ -63,8 +62,7 @@ class Contexts:
         self.rows_at = R.row_sharding(self.mesh, plan.cfg.batch_tokens)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         self.params = jax.device_put(plan.params[tensor], replicated)
-        spec = self.spec
-        self._encode = jax.jit(lambda p, x: M.encode(p, x, spec, inference=True))
+        self._encode = R.make_encode(self.spec)
         self._pick = jax.jit(lambda a, r, c: a[r, c])
         self.readers = [reader(plan, r) for r in range(len(plan.runs))]
 

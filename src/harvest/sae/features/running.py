@@ -79,14 +79,20 @@ def kept(running: Running, state: TensorState) -> None:
         setattr(state, name, np.asarray(value))
 
 
+def make_encode(spec: M.Spec):
+    """jitted (params, x [B, d] float32) -> latents [B, L] at inference. The pass and the contexts both encode
+    with it, apart from the update: a row's latents then have the same bits in both (XLA fusing the encoding
+    into the update would round it otherwise)."""
+    return jax.jit(lambda params, x: M.encode(params, x, spec, inference=True))
+
+
 def make_update(spec: M.Spec, mesh: Mesh):
-    """jitted (running, params, x [B, d] float32, valid [B] bool, ordinal int32, offsets [B] int32) -> running
-    (donated). Put x and valid with `row_sharding` first."""
+    """jitted (running, acts [B, L] from make_encode, valid [B] bool, ordinal int32, offsets [B] int32) ->
+    running (donated)."""
     by_latent = latent_sharding(mesh, spec.latents)
 
-    def update(run: Running, params: dict, x: jax.Array, valid: jax.Array, ordinal: jax.Array,
-               offsets: jax.Array) -> Running:
-        acts = jnp.where(valid[:, None], M.encode(params, x, spec, inference=True), 0.0)
+    def update(run: Running, acts: jax.Array, valid: jax.Array, ordinal: jax.Array, offsets: jax.Array) -> Running:
+        acts = jnp.where(valid[:, None], acts, 0.0)
         fired = acts > 0
         count = run.count + jnp.sum(fired, axis=0, dtype=jnp.int32)
         total = run.sum + jnp.sum(acts, axis=0)

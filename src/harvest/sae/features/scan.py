@@ -65,6 +65,7 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
     mesh = R.device_mesh()
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params = {t: jax.device_put(p, replicated) for t, p in plan.params.items()}
+    encode = {t: R.make_encode(spec) for t, spec in plan.specs.items()}
     update = {t: R.make_update(spec, mesh) for t, spec in plan.specs.items()}
     running = {t: R.start(states[t], mesh) for t in plan.tensors}
     readers = [reader(plan, r) for r in range(len(plan.runs))]
@@ -90,8 +91,8 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
                 for t in plan.tensors:
                     x = np.zeros((cfg.batch_tokens, plan.specs[t].width), np.float32)
                     x[:len(take)] = values(plan.runs[shard.run].dtype, cols, t, take)
-                    running[t] = update[t](running[t], params[t], jax.device_put(x, rows_at), valid_d,
-                                           np.int32(ordinal), offsets_d)
+                    acts = encode[t](params[t], jax.device_put(x, rows_at))
+                    running[t] = update[t](running[t], acts, valid_d, np.int32(ordinal), offsets_d)
                 bar(len(take))
             for t in plan.tensors:
                 running[t] = R.flush(running[t], states[t], mesh)
