@@ -64,7 +64,6 @@ class Contexts:
         self.params = jax.device_put(plan.params[tensor], replicated)
         self._encode = R.make_encode(self.spec)
         self._pick = jax.jit(lambda a, r, c: a[r, c])
-        self.readers = [reader(plan, r) for r in range(len(plan.runs))]
 
     def build(self, wanted: list[Example]) -> dict[Example, Context]:
         """Every example's context, reading each shard they lie in once."""
@@ -89,7 +88,7 @@ class Contexts:
             sample = int(np.searchsorted(offsets, e.offset, side="right")) - 1
             spans[e] = (max(int(offsets[sample]), e.offset - window), min(int(offsets[sample + 1]), e.offset + window + 1))
         first, last = min(a for a, _ in spans.values()), max(b for _, b in spans.values())
-        cols = self.readers[shard.run].read(Piece(sc.stream, sc.shard, first, last), sc, (), 0, ()).cols
+        cols = reader(plan, shard.run).read(Piece(sc.stream, sc.shard, first, last), sc, (), 0, ()).cols
         rows = np.unique(np.concatenate([np.arange(a, b) for a, b in spans.values()]))
         pairs = [(row, e.latent) for e, (a, b) in spans.items() for row in range(a, b)]
         acts = self._acts(cols, rows - first, first, pairs, run.dtype)

@@ -68,7 +68,6 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
     encode = {t: R.make_encode(spec) for t, spec in plan.specs.items()}
     update = {t: R.make_update(spec, mesh) for t, spec in plan.specs.items()}
     running = {t: R.start(states[t], mesh) for t in plan.tensors}
-    readers = [reader(plan, r) for r in range(len(plan.runs))]
     rows_at = R.row_sharding(mesh, cfg.batch_tokens)
     pause = float(os.environ.get(SLOW_SHARDS, 0) or 0)
     total = sum(plan.shards[o].sidecar.tokens for o in mine[progress.done:])
@@ -78,7 +77,7 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
             if cfg.tokens and progress.tokens >= cfg.tokens:
                 break
             shard = plan.shards[ordinal]
-            cols, rows = _rows(plan, readers[shard.run], shard)
+            cols, rows = _rows(plan, reader(plan, shard.run), shard)  # a reader per shard: its caches go with it
             if cfg.tokens:
                 rows = rows[:cfg.tokens - progress.tokens]
             for lo in range(0, len(rows), cfg.batch_tokens):
@@ -115,6 +114,7 @@ def _save(out: Storage, rel: str, running: dict, states: dict[str, TensorState],
 
 
 def reader(plan: Plan, r: int) -> PieceReader:
+    """A reader of run `r`'s shards that checks every byte it reads against the sidecars."""
     run = plan.runs[r]
     stored = np.dtype(fmt.STORED_DTYPES.get(run.dtype, np.float32))
     reader = PieceReader(run.storage, run.view, plan.tensors, stored, verify="auto", on_corrupt="stop")
