@@ -10,9 +10,9 @@ runner names its output directory:
                                 has its fields) and harvest's record of the pass
         skipped_indexes.json    latents left out of the batches: none (the runner's current behaviour)
 
-Fields harvest does not compute are written as the runner writes them when their option is off (see EMPTY and _Source.feature).
-The JSON is ASCII (json's default escapes, as the runner writes it): any token string, even a lone surrogate,
-reads back as it was decoded."""
+Fields harvest does not compute are written as the runner writes them when their option is off (see EMPTY and
+_Source.feature). The JSON is ASCII (json's default escapes, as the runner writes it): any token string, even a
+lone surrogate, reads back as it was decoded."""
 
 from __future__ import annotations
 
