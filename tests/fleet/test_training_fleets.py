@@ -128,8 +128,8 @@ _TRM_REFUSALS = [
     ({"groups": [{**DECODER_POD["groups"][0], "workers": 2}]}, "group v4-pod: workers 2: a train: job runs on one"),
     ({"groups": [DECODER_POD["groups"][0], {**DECODER_POD["groups"][0], "name": "other"}]},
      "a train: job runs on one group (one pod slice or GPU group), got 2: v4-pod, other"),
-    ({"extract": {"model": "o/m"}}, "give exactly one job section, extract, train, sae (its settings), got extract, "
-                                    "train"),
+    ({"extract": {"model": "o/m"}}, "give exactly one job section, extract, train, sae, features (its settings), got "
+                                    "extract, train"),
     ({"puzzles": {"kind": "sudoku", "generate": 10}}, "puzzles: builds a TRM's dataset, but train: model is a "
                                                       "decoder"),
     ({"train": {"model": "./weights"}}, "train: model './weights' is not a hub id"),

@@ -1,7 +1,8 @@
 """A fleet with neither `install` nor `image` carries this checkout: `fleet plan --emit` and `fleet up` build a
 wheel of the working tree (uncommitted changes included), each task's file_mounts put it on every host, and
 the task's setup installs it with the extras that host needs: its accelerator's jax (tpu, cuda), the storage
-its URLs name (gcs, s3), the trainers' optax and orbax (train), a hub dataset's reader (hub), a logger (logging).
+its URLs name (gcs, s3), the trainers' optax and orbax (train, also for features, which restores an SAE's
+checkpoint), a hub dataset's reader (hub), a logger (logging).
 
 The distribution is `harvest-activations` (harvest.version.DISTRIBUTION): the package index's `harvest` is
 another project, so no task ever installs harvest by name. The wheel is built from a copy of the checkout's
@@ -62,7 +63,7 @@ def extras(spec: FleetSpec, kind: str) -> list[str]:
             *_strings(spec.puzzles or {})]
     found = {_KIND_EXTRA[kind]} | {extra for url in urls for prefix, extra in _URL_EXTRA.items()
                                     if url.startswith(prefix)}
-    if spec.job in ("train", "sae"):
+    if spec.job in ("train", "sae", "features"):  # features: the SAE's checkpoint is orbax's
         found.add("train")
     if any(logger in str(spec.settings.get("log_to") or "") for logger in ("wandb", "tensorboard")):
         found.add("logging")

@@ -1,11 +1,16 @@
-"""The kinds of job a fleet runs (fleet.yaml's `extract:`, `train:` or `sae:`) and what the plan needs of
-each: the harvest command, the settings the plan sets itself, and the check of the fleet's section as that
+"""The kinds of job a fleet runs (fleet.yaml's `extract:`, `train:`, `sae:` or `features:`) and what the plan
+needs of each: the harvest command, the settings the plan sets itself, and the check of the fleet's section as that
 command checks its own settings (the command's config validation, called, not copied).
 
 A training job (`train:` a decoder or a TRM, `sae:`) is one group of `workers: 1`: one pod slice or one
 multi-node GPU group whose hosts run one multi-controller JAX program. The plan refuses here, in one line,
 what its first start would: a mesh that does not fit the slice, a batch that does not split over the data
 axes (data x fsdp), a setting the command refuses.
+
+A features job (`harvest sae features`) is many one-host workers, each one rank of the pass: every worker of
+every group reads its share of the run's shards and writes its part into the one `out` they share, and the
+last to finish merges the parts and writes the site. A rerun of a worker's command resumes its pass, so a
+preempted worker is recovered by relaunching it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from harvest.errors import UserError
 from harvest.fleet.spec import FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology
 from harvest.runtime.mesh import mesh_shape
+from harvest.sae.features.config import FeaturesConfig
 from harvest.training import kinds
 from harvest.training.kinds import KINDS
 
@@ -30,10 +36,13 @@ PLANNED = {
                 "mesh": "each group's mesh", "worker_id": "the plan ({name}/{group}/{k})", **_PROCESS},
     "train": {"data": "the fleet's data", "out": "the group's out", **_PROCESS},
     "sae": {"run": "the fleet's data", "out": "the group's out", **_PROCESS},
+    "features": {"sae": "the fleet's data", "out": "the groups' out (one for every rank)",
+                 "rank": "the plan (one rank per worker)", "world": "the plan (every worker of every group)"},
 }
 REFUSED = {"overwrite": "a recovered worker would delete what it wrote before its preemption"}
-COMMAND = {"extract": ("extract",), "train": KINDS["train"].command, "sae": KINDS["sae"].command}
-INPUT = {"extract": "data", "train": "data", "sae": "run"}  # the setting the fleet's `data` fills
+COMMAND = {"extract": ("extract",), "train": KINDS["train"].command, "sae": KINDS["sae"].command,
+           "features": ("sae", "features")}  # features: then the SAE run, its one positional argument
+INPUT = {"extract": "data", "train": "data", "sae": "run", "features": "sae"}  # what the fleet's `data` fills
 DEFAULT_MESH = {k.trainer_name: k.default_mesh for k in KINDS.values()}  # as each trainer defaults
 
 
@@ -64,6 +73,8 @@ def trainer(spec: FleetSpec) -> str:
 def config_class(spec: FleetSpec) -> type:
     if spec.job == "extract":
         return ExtractConfig
+    if spec.job == "features":
+        return FeaturesConfig
     return kinds.BY_TRAINER[trainer(spec)].config()
 
 
@@ -90,6 +101,30 @@ def check_job(spec: FleetSpec) -> Any:
         return config.build(config_class(spec), None, flags)
     except UserError as e:
         raise FleetError(f"{spec.path}: {job}: {e}") from None
+
+
+def check_features(spec: FleetSpec, shapes: dict[str, Topology]) -> None:
+    """Every rank writes its part into one out, on one host (the pass is one process per rank)."""
+    outs = {g.out for g in spec.groups}
+    if len(outs) > 1:
+        raise FleetError(f"{spec.path}: features: every rank writes its part into one out, where the last merges "
+                         f"them, but the groups name {len(outs)}: {', '.join(sorted(outs))}; give them one out")
+    for g in spec.groups:
+        where, shape = f"{spec.path}: group {g.name}", shapes[g.name]
+        if g.streams != "auto":
+            raise FleetError(f"{where}: streams {g.streams}: a features: job deals the run's shards to its ranks "
+                             f"itself; remove it")
+        if g.mesh is not None:
+            raise FleetError(f"{where}: mesh {g.mesh}: a features: worker encodes on every device of its host; "
+                             f"remove it")
+        if shape.hosts > 1:
+            raise FleetError(f"{where}: {shape.accelerator} is {shape.describe()}: a features: worker is one "
+                             f"process on one host; use a one-host accelerator and more workers (each a rank)")
+
+
+def world(spec: FleetSpec) -> int:
+    """A features pass's ranks: every worker of every group."""
+    return sum(g.workers for g in spec.groups)
 
 
 def training_shape(spec: FleetSpec, group: Group, shape: Topology, cfg: Any) -> TrainingShape:

@@ -1,5 +1,5 @@
-"""`harvest fleet plan`: deal the streams to workers (or place a training job on its slice), check
-everything a launch could trip on, and write one SkyPilot task per worker. Needs no cloud: only the data's
+"""`harvest fleet plan`: deal the streams to workers (or place a training job on its slice, or number a
+features pass's ranks), check everything a launch could trip on, and write one SkyPilot task per worker. Needs no cloud: only the data's
 own records are read (streams.json; a TRM's dataset.json).
 
 A worker is `{fleet}/{group}/{k}` for good: its job name, lease holder and task are the same after every
@@ -23,7 +23,8 @@ from harvest.data.streams import StreamSet
 from harvest.errors import RetryLater, UserError
 from harvest.fleet import carry
 from harvest.fleet.container import docker_run
-from harvest.fleet.jobs import COMMAND, INPUT, TrainingShape, check_job, config_class, flag_args, training_shape
+from harvest.fleet.jobs import (COMMAND, INPUT, TrainingShape, check_features, check_job, config_class, flag_args,
+                                training_shape, world)
 from harvest.fleet.puzzles import BUILD_CPUS, BUILD_NAME, PuzzlesBuild, check_puzzles
 from harvest.fleet.spec import PLAN_ENVS, FleetError, FleetSpec, Group
 from harvest.fleet.topology import Topology, topology
@@ -43,6 +44,7 @@ class Worker:
     index: int
     streams: tuple[int, ...]
     topology: Topology
+    rank: int = 0  # a features: worker's rank of the pass (of the plan's workers)
 
     @property
     def worker_id(self) -> str:
@@ -70,7 +72,9 @@ class Plan:
 
 def make_plan(spec: FleetSpec) -> Plan:
     """Check the fleet against its data and deal the streams (extraction), or place the one training job on
-    its group (train:, sae:)."""
+    its group (train:, sae:), or give each worker its rank (features:)."""
+    if spec.job == "features":
+        return _features_plan(spec)
     if spec.job != "extract":
         return _training_plan(spec)
     streams = StreamSet.open(spec.data)
@@ -95,6 +99,16 @@ def _training_plan(spec: FleetSpec) -> Plan:
     training = training_shape(spec, group, shape, cfg)
     build = check_puzzles(spec, training.trainer, group)
     return Plan(spec, 0, None, (Worker(spec.name, group, 0, (), shape),), training, build)
+
+
+def _features_plan(spec: FleetSpec) -> Plan:
+    """Every worker of every group one rank, in the groups' order."""
+    check_job(spec)
+    shapes = {g.name: _topology(spec, g) for g in spec.groups}
+    check_features(spec, shapes)
+    placed = [(g, k) for g in spec.groups for k in range(g.workers)]
+    workers = tuple(Worker(spec.name, g, k, (), shapes[g.name], rank) for rank, (g, k) in enumerate(placed))
+    return Plan(spec, 0, None, workers)
 
 
 def _topology(spec: FleetSpec, group: Group) -> Topology:
@@ -174,6 +188,9 @@ def job_args(worker: Worker, spec: FleetSpec) -> list[str]:
     if spec.job == "extract":
         settings.update(data=spec.data, out=g.out, streams=format_ranges(worker.streams),
                         worker_id=worker.worker_id, mesh=g.mesh)
+    elif spec.job == "features":
+        settings.update(out=g.out, rank=worker.rank, world=world(spec))
+        return [*COMMAND[spec.job], spec.data, *flag_args(config_class(spec), settings)]
     else:
         settings.update({INPUT[spec.job]: spec.data, "out": g.out, "mesh": g.mesh or settings.get("mesh")})
     return [*COMMAND[spec.job], *flag_args(config_class(spec), settings)]
@@ -197,8 +214,9 @@ def _multi_node_flags() -> str:
 
 def _mounts(worker: Worker, spec: FleetSpec) -> dict[str, bool]:
     """The local paths a container must see (only with shared_paths): data and model read-only, out not."""
-    paths = {**dict.fromkeys(spec.data.split(","), True), worker.group.out: False,
-             str(spec.settings.get("model") or ""): True}
+    read = [*spec.data.split(","), str(spec.settings.get("model") or ""),
+            *str(spec.settings.get("run") or "").split(",")]  # run: a features job's, where given
+    paths = {**dict.fromkeys(read, True), worker.group.out: False}
     return {path: ro for path, ro in paths.items() if os.path.isabs(path)}
 
 
@@ -305,14 +323,18 @@ _TaskDumper.add_representer(str, lambda dumper, value: dumper.represent_scalar(
 def plan_table(plan: Plan) -> Table:
     if plan.training is not None:
         return _training_table(plan)
-    table = Table(title=f"fleet {plan.spec.name}: {len(plan.workers)} workers, {plan.num_streams} streams of "
-                        f"{plan.spec.data}", title_justify="left")
-    for name in ("group", "worker", "accelerator", "hosts x chips", "mesh", "streams", "out"):
-        table.add_column(name, justify="right" if name in ("worker", "streams") else "left")
+    features = plan.spec.job == "features"
+    table = Table(title=f"fleet {plan.spec.name}: " + (
+        f"features of {plan.spec.data}, {len(plan.workers)} ranks (a worker each)" if features else
+        f"{len(plan.workers)} workers, {plan.num_streams} streams of {plan.spec.data}"), title_justify="left")
+    middle = ("rank",) if features else ("mesh", "streams")
+    for name in ("group", "worker", "accelerator", "hosts x chips", *middle, "out"):
+        table.add_column(name, justify="right" if name in ("worker", "streams", "rank") else "left")
     for w in plan.workers:
+        cells = (f"{w.rank} of {len(plan.workers)}",) if features else \
+            (w.group.mesh or "data (all)", format_ranges(w.streams))
         table.add_row(w.group.name, str(w.index), w.topology.accelerator + (" (spot)" if w.group.spot else ""),
-                      f"{w.topology.hosts} x {w.topology.chips_per_host}", w.group.mesh or "data (all)",
-                      format_ranges(w.streams), w.group.out)
+                      f"{w.topology.hosts} x {w.topology.chips_per_host}", *cells, w.group.out)
     return table
 
 

@@ -3,8 +3,9 @@ the workers' environment) and groups of identical workers. Every problem is one 
 
 The job is one of JOBS: `extract:` (`harvest extract` settings; many workers, streams dealt between them),
 `train:` (`harvest train` settings: a decoder or a TRM) or `sae:` (`harvest sae train` settings), the
-last two on one pod slice or multi-node GPU group. `data` is what the job reads: the streams for
-extraction, the training data (a puzzle dataset for a TRM), the extraction run(s) for SAEs. A TRM fleet
+last two on one pod slice or multi-node GPU group, or `features:` (`harvest sae features` settings; many
+one-host workers, each a rank of the pass). `data` is what the job reads: the streams for extraction, the
+training data (a puzzle dataset for a TRM), the extraction run(s) for SAEs, the SAE run for features. A TRM fleet
 may add `puzzles:` (`harvest puzzles build` settings and the `kind`): the dataset at `data` is then built
 once, by one job, before the trainers start.
 
@@ -33,7 +34,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 PLAN_ENVS = ("HARVEST_FLEET", "HARVEST_GROUP", "HARVEST_WORKER_ID")  # set by the plan on every worker
 _REMOTE = ("gs://", "s3://")
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # as harvest.model.weights.resolve_checkpoint reads --model
-JOBS = ("extract", "train", "sae")  # the sections naming the fleet's job; exactly one is given
+JOBS = ("extract", "train", "sae", "features")  # the sections naming the fleet's job; exactly one is given
 _TOP_KEYS = {"name", "data", *JOBS, "puzzles", "install", "image", "groups", "envs", "secrets", "shared_paths"}
 _GROUP_KEYS = {"name", "accelerator", "regions", "workers", "spot", "streams", "out", "mesh", "num_nodes"}
 
@@ -114,8 +115,9 @@ def parse_fleet(raw: Any, where: str) -> FleetSpec:
     for key in ("model", "tokenizer"):
         if isinstance(settings.get(key), str) and not settings[key].lstrip().startswith("{"):
             settings[key] = _model(settings[key], where, shared, f"{job}: {key}")
-    data = ",".join(_url(d.strip(), where, "data", shared) for d in data.split(",")) if job == "sae" else \
-        _url(data, where, "data", shared)
+    if job == "features" and isinstance(settings.get("run"), str):  # the run read, where not the SAE's own
+        settings["run"] = _urls(settings["run"], where, f"{job}: run", shared)
+    data = _urls(data, where, "data", shared) if job == "sae" else _url(data, where, "data", shared)
     return FleetSpec(where, name, data, job, settings, groups, puzzles, install, image, envs, secrets, shared)
 
 
@@ -137,6 +139,11 @@ def check_install(install: str, where: str) -> None:
                                  f"project; this one is {DISTRIBUTION} (e.g. pip install "
                                  f"'{DISTRIBUTION}[tpu,gcs]' from an index that holds it), or remove install "
                                  f"(and image) and each task carries this checkout")
+
+
+def _urls(specs: str, where: str, key: str, shared: bool) -> str:
+    """Comma-separated URLs (the buckets of one run), each as _url takes it."""
+    return ",".join(_url(spec.strip(), where, key, shared) for spec in specs.split(","))
 
 
 def _url(spec: str, where: str, key: str, shared: bool) -> str:

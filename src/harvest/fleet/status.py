@@ -5,7 +5,9 @@ first launch (no jobs controller yet) every worker is not launched; when SkyPilo
 are unknown, its error is one line under the table and the command exits 2.
 A stream whose worker has not reported for a while is stale: the command says so and exits 1.
 A training fleet (train:, sae:) shows its one job instead: step, loss, tokens/s and the last checkpoint,
-from the run's own records in its bucket (harvest.training.reader); stale when running but silent."""
+from the run's own records in its bucket (harvest.training.reader); stale when running but silent.
+A features fleet shows each rank's job and where its pass stands, from OUT/scan/ (its part written: done; a
+saved state: resumable), and whether the last rank has written the site (OUT/features.json, written last)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from harvest.errors import UserError
 from harvest.fleet.plan import Plan, Worker
 from harvest.fleet.sky import JobRecord, Jobs
 from harvest.ranges import format_ranges
+from harvest.sae.features.record import FEATURES_JSON
+from harvest.sae.features.scan import SCAN, part_path, state_path
 from harvest.storage import Storage
 from harvest.store.report import RunScanner, human_age, human_bytes, human_count, status_rows
 from harvest.training.reader import TrainingRun, read_training
@@ -160,6 +164,51 @@ def render_training(status: TrainingStatus) -> list[RenderableType]:
     return out + _error_line(status.error)
 
 
+@dataclasses.dataclass(frozen=True)
+class FeaturesStatus:
+    plan: Plan
+    jobs: list[JobRecord | None]  # each rank's, in rank order
+    parts: frozenset[int]  # ranks whose part is in OUT/scan/ (their pass is done)
+    saved: frozenset[int]  # ranks with a saved state there (a rerun resumes from it)
+    built: bool  # OUT/features.json: the site is written
+    error: str | None = None  # SkyPilot's, in one line
+    stale = False  # a pass reports nothing between its saves; its job's state says whether it runs
+
+    @property
+    def finished(self) -> bool:
+        return self.built or all(job is not None and not job.active for job in self.jobs)
+
+
+def features_status(plan: Plan, jobs: Jobs) -> FeaturesStatus:
+    queue = Queue.read(jobs)
+    out, world = Storage(plan.workers[0].group.out), len(plan.workers)
+    names = {f"{SCAN}/{name}" for name in out.listdir(SCAN)}
+    return FeaturesStatus(plan, [queue.jobs.get(w.job_name) for w in plan.workers],
+                          frozenset(r for r in range(world) if part_path(r, world) in names),
+                          frozenset(r for r in range(world) if state_path(r, world) in names),
+                          out.exists(FEATURES_JSON), queue.error)
+
+
+def render_features(status: FeaturesStatus) -> list[RenderableType]:
+    plan, known = status.plan, status.error is None
+    out, world = plan.workers[0].group.out, len(plan.workers)
+    table = Table(title=f"fleet {plan.spec.name}: features of {plan.spec.data}, {world} ranks -> {out}",
+                  title_justify="left")
+    for name in ("worker", "accelerator", "region", "state", "skypilot", "recoveries", "rank", "pass"):
+        table.add_column(name, justify="right" if name in ("recoveries", "rank") else "left")
+    for w, job in zip(plan.workers, status.jobs, strict=True):
+        state = job_state(job, known)
+        stage = "part written" if w.rank in status.parts else "state saved" if w.rank in status.saved else "-"
+        table.add_row(w.worker_id, w.group.accelerator, (job.region if job else None) or ",".join(w.group.regions),
+                      Text(state, style=_STATE_STYLE.get(state, "red")), job.status if job else "-",
+                      str(job.recoveries if job else "-"), f"{w.rank} of {world}", stage)
+    site = f"site written: {out}/index.html" if status.built else \
+        "site not written yet (the last rank to finish merges the parts and writes it)"
+    line = Text(f"fleet {plan.spec.name}: {len(status.parts)}/{world} ranks done (parts in {out}/{SCAN}/), {site}",
+                style="bold")
+    return [table, line, *_error_line(status.error)]
+
+
 def _error_line(error: str | None) -> list[RenderableType]:
     return [] if error is None else [Text(f"job states unknown: {error}", style="bold red")]
 
@@ -254,11 +303,13 @@ def render(status: FleetStatus) -> list[RenderableType]:
 
 def show(plan: Plan, jobs: Jobs, *, watch: bool = False, interval: float = 30.0,
          console: Console | None = None, now: datetime | None = None) -> int:
-    """Print the status (live with `watch`, until every stream is done, or the training job ends); 1 when a
-    stream or the trainer is stale, 2 when SkyPilot could not be asked."""
+    """Print the status (live with `watch`, until every stream is done, the training job ends, or the features
+    site is written); 1 when a stream or the trainer is stale, 2 when SkyPilot could not be asked."""
     console = console or table_console()
     if plan.training is not None:
         read, draw = (lambda: training_status(plan, jobs)), render_training
+    elif plan.spec.job == "features":
+        read, draw = (lambda: features_status(plan, jobs)), render_features
     else:
         read, draw = (lambda: fleet_status(plan, jobs, now=now)), render
     status = read()
