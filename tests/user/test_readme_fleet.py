@@ -114,7 +114,7 @@ def _named_fleets() -> dict[str, dict]:
 def test_the_plan_output_the_readme_shows_is_what_plan_prints(buckets, tmp_path, capsys):
     named = _named_fleets()
     shown = _shown_plans()
-    assert len(shown) == 4, [b.where() for b, *_ in shown]
+    assert len(shown) == 5, [b.where() for b, *_ in shown]
     for block, name, expected in shown:
         fleet = named.get(name)
         if name == "decoder-fleet-v4-32.yaml":  # "The same file on a v4-32 (16 chips) is refused"
