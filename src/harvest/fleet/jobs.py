@@ -1,6 +1,6 @@
 """The kinds of job a fleet runs (fleet.yaml's `extract:`, `train:`, `sae:` or `features:`) and what the plan
-needs of each: the harvest command, the settings the plan sets itself, and the check of the fleet's section as that
-command checks its own settings (the command's config validation, called, not copied).
+needs of each: the harvest command, the settings the plan sets itself, and the check of the fleet's section
+as that command checks its own settings (the command's config validation, called, not copied).
 
 A training job (`train:` a decoder or a TRM, `sae:`) is one group of `workers: 1`: one pod slice or one
 multi-node GPU group whose hosts run one multi-controller JAX program. The plan refuses here, in one line,

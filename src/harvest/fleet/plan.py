@@ -1,6 +1,6 @@
 """`harvest fleet plan`: deal the streams to workers (or place a training job on its slice, or number a
-features pass's ranks), check everything a launch could trip on, and write one SkyPilot task per worker. Needs no cloud: only the data's
-own records are read (streams.json; a TRM's dataset.json).
+features pass's ranks), check everything a launch could trip on, and write one SkyPilot task per worker.
+Needs no cloud: only the data's own records are read (streams.json; a TRM's dataset.json).
 
 A worker is `{fleet}/{group}/{k}` for good: its job name, lease holder and task are the same after every
 recovery, so a recovered worker takes its own leases back and resumes its own streams. Job names join the
