@@ -20,6 +20,7 @@ from harvest.sae.features.config import FeaturesConfig
 from harvest.sae.features.state import PER_OCTAVE, STATE_VERSION
 from harvest.storage import Storage
 from harvest.store.records import Sidecar
+from harvest.training.record import RunMismatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Plan:
         """What decides a rank's state: a resume (and the merge) must find the same."""
         c = self.cfg
         return {"sae": Storage(c.sae).url, "step": self.step, "runs": [r.url for r in self.runs],
-                "streams": self.streams, "tensors": self.tensors, "top": c.top, "sample": c.bins * c.per_bin,
+                "streams": self.streams, "tensors": self.tensors, "top": c.top, "bins x per_bin": c.bins * c.per_bin,
                 "batch_tokens": c.batch_tokens, "tokens": c.tokens, "world": c.world,
                 "exclude": [list(e) for e in self.exclude], "skip_first": self.skip_first,
                 "norm_limits": [[list(x) for x in n] for n in self.norm_limits], "per_octave": PER_OCTAVE,
@@ -72,7 +73,11 @@ class Plan:
 
 def make_plan(cfg: FeaturesConfig) -> Plan:
     """The pass's inputs, every check made (one-line errors), nothing written."""
-    info, step, params = load_sae_run(cfg.sae, cfg.step)
+    try:
+        info, step, params = load_sae_run(cfg.sae, cfg.step)
+    except RunMismatch:  # its words are for a trainer's --out
+        raise UserError(f"{Storage(cfg.sae).url} is not an SAE run (its run.json is not `harvest sae train`'s): give "
+                        "the SAE run's URL, the --out of `harvest sae train`") from None
     specs = {name: spec_of(sae) for name, sae in info["saes"].items()}
     trained = [Storage(u).url for u in str_list(info["config"]["run"])]
     urls = [cfg.run] if cfg.run else trained

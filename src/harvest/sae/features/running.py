@@ -80,10 +80,19 @@ def kept(running: Running, state: TensorState) -> None:
 
 
 def make_encode(spec: M.Spec):
-    """jitted (params, x [B, d] float32) -> latents [B, L] at inference. The pass and the contexts both encode
-    with it, apart from the update: a row's latents then have the same bits in both (XLA fusing the encoding
-    into the update would round it otherwise)."""
-    return jax.jit(lambda params, x: M.encode(params, x, spec, inference=True))
+    """jitted (params, x [B, d] float32) -> latents [B, L] at inference (sae/model.encode's values). The pass and
+    the contexts both encode with it, apart from the update: a row's latents then have the same bits in both
+    (XLA fusing the encoding into the update would round it otherwise)."""
+    def encode(params: dict, x: jax.Array) -> jax.Array:
+        if spec.architecture != "topk":
+            return M.encode(params, x, spec, inference=True)
+        # model.encode's, with the k-th value taken from the whole top-k: sliced inside, XLA's CPU top-k becomes a
+        # sort (~10x slower at 4096 latents)
+        pre = jax.nn.relu(M.pre_activations(params, x))
+        kth = jax.lax.optimization_barrier(jax.lax.top_k(pre, spec.k)[0])[:, -1:]
+        return jnp.where(pre >= kth, pre, 0.0)
+
+    return jax.jit(encode)
 
 
 def make_update(spec: M.Spec, mesh: Mesh):
@@ -105,13 +114,19 @@ def make_update(spec: M.Spec, mesh: Mesh):
         skey, spos, svalue = run.sample_key, run.sample_pos, run.sample_value
         if skey.shape[1]:  # --bins 0: no sample
             keys = jnp.where(fired_t, sample_key(jnp, ordinal, offsets[None, :], lat[:, None]), NO_KEY)
-            skey, spos, chosen = _merge(skey, spos, keys, ordinal, offsets)
+            ranked, spos, chosen = _merge(_as_float(skey), spos, _as_float(keys), ordinal, offsets)
+            skey = jnp.where(ranked < 0, NO_KEY, jax.lax.bitcast_convert_type(ranked, jnp.int32))
             svalue = jnp.take_along_axis(jnp.concatenate([run.sample_value, acts_t], axis=1), chosen, axis=1)
         where = jnp.where(fired, bin_index(jnp, acts) + lat[None, :] * NUM_BINS, spec.latents * NUM_BINS)
         hist = run.hist.reshape(-1).at[where.reshape(-1)].add(1, mode="drop").reshape(run.hist.shape)
         return Running(top, top_value, top_pos, skey, svalue, spos, count, total, hist)
 
     return jax.jit(update, donate_argnums=0)
+
+
+def _as_float(keys: jax.Array) -> jax.Array:
+    """Sample keys as floats of the same order (state.sample_key); no key as -1."""
+    return jnp.where(keys == NO_KEY, -1.0, jax.lax.bitcast_convert_type(keys, jnp.float32))
 
 
 def _merge(kept, kept_pos, batch, ordinal, offsets):

@@ -49,9 +49,9 @@ def load_state(out: Storage, rel: str, settings: dict) -> tuple[dict[str, Tensor
     if progress.settings != settings:
         diff = [k for k in sorted(set(settings) | set(progress.settings))
                 if settings.get(k) != progress.settings.get(k)]
-        raise UserError(f"{out.url_of(rel)} was made with other settings ({', '.join(diff)}: "
-                        f"{', '.join(f'{progress.settings.get(k)!r} then, {settings.get(k)!r} now' for k in diff)}); "
-                        "rerun with those, or give another --out")
+        said = "; ".join(f"{k} {progress.settings.get(k)!r} then, {settings.get(k)!r} now" for k in diff)
+        raise UserError(f"{out.url_of(rel)} was made with other settings ({said}); rerun with those, or give "
+                        "another --out")
     return states, progress
 
 
