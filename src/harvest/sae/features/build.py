@@ -93,8 +93,7 @@ def write_output(plan: Plan, merged: dict[str, TensorState], tokens: int, out: S
         model=model, tensors=[summary(t, plan, merged[t], tokens) for t in plan.tensors],
         settings={"top": cfg.top, "window": cfg.window, "bins": cfg.bins, "per_bin": cfg.per_bin,
                   "dense_above": cfg.dense_above, "logits": cfg.logits if logits else 0,
-                  "batch_tokens": cfg.batch_tokens, "tokens": cfg.tokens, "world": cfg.world,
-                  "skip_first": plan.skip_first})
+                  "batch_tokens": cfg.batch_tokens, "tokens": cfg.tokens, "skip_first": plan.skip_first})
     made = writers(out, record)
     for t in plan.tensors:
         state, spec = merged[t], plan.specs[t]
