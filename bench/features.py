@@ -67,7 +67,8 @@ def main() -> None:
     params = M.init_params(jax.random.key(0), spec, jnp.zeros(args.width))
 
     mesh = R.device_mesh()
-    encode, update = R.make_encode(spec), R.make_update(spec, mesh)
+    encode, update = R.make_encode(spec, mesh), R.make_update(spec, mesh)
+    params = R.place(params, spec, mesh)
     running = [R.start(TensorState.empty(args.latents, args.top, args.sample), mesh)]
     valid = jnp.ones(args.batch, bool)
     offsets = jnp.arange(args.batch, dtype=jnp.int32)

@@ -117,3 +117,26 @@ def test_contexts_and_logits_equal_brute_force(built, straight, sae_source):
         assert [v for _, v in lat.bottom_logits] == pytest.approx(
             scores[lat.index][order[::-1][:LOGITS]].tolist(), rel=1e-4)
         assert lat.top_logits[0][0] == tokenizer.decode([int(order[0])])
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_pass_encodes_as_the_sae(devices):
+    """The pass's encoding gives sae/model.encode's latents: on one device (its faster TopK threshold) bit for
+    bit; with the latents split over 8, the same latents fire, their values within float32 rounding (a block
+    of the encoder's columns is multiplied apart)."""
+    import jax
+
+    from harvest.runtime.mesh import make_mesh
+    from harvest.sae import model as M
+    from harvest.sae.features import running as R
+
+    spec = M.Spec("topk", 16, 64, 4, 8)
+    params = M.init_params(jax.random.key(1), spec, jax.numpy.zeros(16))
+    x = np.random.default_rng(2).standard_normal((32, 16)).astype(np.float32)
+    mesh = make_mesh("1d", jax.local_devices()[:devices])
+    got = np.asarray(R.make_encode(spec, mesh)(R.place(params, spec, mesh), x))
+    want = np.asarray(jax.jit(lambda p, x: M.encode(p, x, spec, inference=True))(params, x))
+    if devices == 1:
+        assert np.array_equal(got, want)
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -59,10 +59,8 @@ class Contexts:
         self.plan, self.tensor, self.vocab = plan, tensor, vocab
         self.spec = plan.specs[tensor]
         self.mesh = R.device_mesh()
-        self.rows_at = R.row_sharding(self.mesh, plan.cfg.batch_tokens)
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        self.params = jax.device_put(plan.params[tensor], replicated)
-        self._encode = R.make_encode(self.spec)
+        self.params = R.place(plan.params[tensor], self.spec, self.mesh)
+        self._encode = R.make_encode(self.spec, self.mesh)
         self._pick = jax.jit(lambda a, r, c: a[r, c])
 
     def build(self, wanted: list[Example]) -> dict[Example, Context]:
@@ -113,7 +111,7 @@ class Contexts:
             take = local[lo:lo + batch]
             x = np.zeros((batch, self.spec.width), np.float32)
             x[:len(take)] = values(dtype, cols, self.tensor, take)
-            acts = self._encode(self.params, jax.device_put(x, self.rows_at))
+            acts = self._encode(self.params, jax.device_put(x, R.whole(self.mesh)))
             asked = [(i, row + first, latent) for i, row in enumerate(take) for latent in by_row[row + first]]
             for at in range(0, len(asked), PAIRS):
                 part = asked[at:at + PAIRS]

@@ -1,8 +1,10 @@
 """The pass's running state on the devices, updated by one jitted step per batch with no host round trip;
 handed to the host (sae/features/state.py) once per shard.
 
-Rows are split over the devices for the encoding (params replicated); the [B, L] activations are then
-split by latent, and the per-latent state ([L, ...]) lives split by latent too. Top-K and the sample merge a
+The SAE's latents are split over the devices as `harvest sae train` splits them over its mesh's `model` axis
+(every device on it; replicated where their count does not divide the latents); each batch's rows go whole to
+every device. So each device encodes its own latents, and the per-latent state ([L, ...]) lives beside
+them: no [B, L] array crosses devices. Top-K and the sample merge a
 batch by lax.top_k over [kept, batch]: on equal values the lower index wins, and both the kept entries (ties
 in position order) and the batch's (in offset order) come earlier than anything later in the pass, so
 the earlier token wins, as state.merge orders them.
@@ -18,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from harvest.runtime.mesh import make_mesh
 from harvest.sae import model as M
+from harvest.sae.step import param_specs
 from harvest.sae.features.state import NO_KEY, NUM_BINS, TensorState, add_exact, bin_index, sample_key
 
-AXIS = "devices"
 
 
 class Running(NamedTuple):
@@ -39,16 +42,28 @@ class Running(NamedTuple):
 
 
 def device_mesh() -> Mesh:
-    return Mesh(np.array(jax.local_devices()), (AXIS,))
+    """This process's devices as harvest's (data, fsdp, model) mesh, all on `model`."""
+    return make_mesh("1d", jax.local_devices())
+
+
+def split(mesh: Mesh, latents: int) -> bool:
+    return mesh.shape["model"] > 1 and latents % mesh.shape["model"] == 0
 
 
 def latent_sharding(mesh: Mesh, latents: int) -> NamedSharding:
-    """[L, ...] arrays split by latent over the devices (replicated where the count does not divide L)."""
-    return NamedSharding(mesh, PartitionSpec(AXIS) if latents % mesh.size == 0 else PartitionSpec())
+    """[L, ...] arrays split by latent over the devices (replicated where their count does not divide L)."""
+    return NamedSharding(mesh, PartitionSpec("model") if split(mesh, latents) else PartitionSpec())
 
 
-def row_sharding(mesh: Mesh, rows: int) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec(AXIS) if rows % mesh.size == 0 else PartitionSpec())
+def whole(mesh: Mesh) -> NamedSharding:
+    """A batch's rows (and anything else not per latent): whole on every device."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place(params: dict, spec: M.Spec, mesh: Mesh) -> dict:
+    """An SAE's params on the devices, latents split as the trainer splits them (sae/step.param_specs)."""
+    specs = param_specs(spec) if split(mesh, spec.latents) else {}
+    return {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, PartitionSpec()))) for k, v in params.items()}
 
 
 def start(state: TensorState, mesh: Mesh) -> Running:
@@ -79,13 +94,15 @@ def kept(running: Running, state: TensorState) -> None:
         setattr(state, name, np.asarray(value))
 
 
-def make_encode(spec: M.Spec):
-    """jitted (params, x [B, d] float32) -> latents [B, L] at inference (sae/model.encode's values). The pass and
-    the contexts both encode with it, apart from the update: a row's latents then have the same bits in both
-    (XLA fusing the encoding into the update would round it otherwise)."""
+def make_encode(spec: M.Spec, mesh: Mesh):
+    """jitted (params from `place`, x [B, d] float32) -> latents [B, L] at inference (sae/model.encode's values).
+    The pass and the contexts both encode with it, apart from the update: a row's latents then have the same
+    bits in both (XLA fusing the encoding into the update would round it otherwise)."""
+    sharded = mesh if split(mesh, spec.latents) else None
+
     def encode(params: dict, x: jax.Array) -> jax.Array:
-        if spec.architecture != "topk":
-            return M.encode(params, x, spec, inference=True)
+        if spec.architecture != "topk" or sharded is not None:
+            return M.encode(params, x, spec, inference=True, mesh=sharded)
         # model.encode's, with the k-th value taken from the whole top-k: sliced inside, XLA's CPU top-k becomes a
         # sort (~10x slower at 4096 latents)
         pre = jax.nn.relu(M.pre_activations(params, x))

@@ -63,12 +63,11 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
                                     for t, s in plan.specs.items()}, Progress(settings, plan.listing()))
     mine = plan.mine()
     mesh = R.device_mesh()
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    params = {t: jax.device_put(p, replicated) for t, p in plan.params.items()}
-    encode = {t: R.make_encode(spec) for t, spec in plan.specs.items()}
+    replicated = R.whole(mesh)
+    params = {t: R.place(plan.params[t], spec, mesh) for t, spec in plan.specs.items()}
+    encode = {t: R.make_encode(spec, mesh) for t, spec in plan.specs.items()}
     update = {t: R.make_update(spec, mesh) for t, spec in plan.specs.items()}
     running = {t: R.start(states[t], mesh) for t in plan.tensors}
-    rows_at = R.row_sharding(mesh, cfg.batch_tokens)
     pause = float(os.environ.get(SLOW_SHARDS, 0) or 0)
     total = sum(plan.shards[o].sidecar.tokens for o in mine[progress.done:])
     saved_at = time.monotonic()
@@ -86,11 +85,11 @@ def scan(plan: Plan, out: Storage, resumed: tuple[dict[str, TensorState], Progre
                 valid[:len(take)] = True
                 offsets = np.zeros(cfg.batch_tokens, np.int32)
                 offsets[:len(take)] = take
-                valid_d, offsets_d = jax.device_put(valid, rows_at), jax.device_put(offsets, replicated)
+                valid_d, offsets_d = jax.device_put(valid, replicated), jax.device_put(offsets, replicated)
                 for t in plan.tensors:
                     x = np.zeros((cfg.batch_tokens, plan.specs[t].width), np.float32)
                     x[:len(take)] = values(plan.runs[shard.run].dtype, cols, t, take)
-                    acts = encode[t](params[t], jax.device_put(x, rows_at))
+                    acts = encode[t](params[t], jax.device_put(x, replicated))
                     running[t] = update[t](running[t], acts, valid_d, np.int32(ordinal), offsets_d)
                 bar(len(take))
             for t in plan.tensors:
