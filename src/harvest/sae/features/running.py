@@ -4,7 +4,9 @@ handed to the host (sae/features/state.py) once per shard.
 The SAE's latents are split over the devices as `harvest sae train` splits them over its mesh's `model` axis
 (every device on it; replicated where their count does not divide the latents); each batch's rows go whole to
 every device. So each device encodes its own latents, and the per-latent state ([L, ...]) lives beside
-them: no [B, L] array crosses devices. Top-K and the sample merge a
+them: no [B, L] array crosses devices. (A block of the encoder's columns multiplies apart from the rest: with
+another device count a latent's value can differ in its last bit; reruns, resumes and ranks on the same count
+agree bit for bit.) Top-K and the sample merge a
 batch by lax.top_k over [kept, batch]: on equal values the lower index wins, and both the kept entries (ties
 in position order) and the batch's (in offset order) come earlier than anything later in the pass, so
 the earlier token wins, as state.merge orders them.
