@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harvest.sae.features import BLOCK
+from harvest.sae.features.writer import BLOCK
 from harvest.sae.features.build import histogram
 from harvest.sae.features.dashboard import NeuronpediaWriter, freq_histogram
 from harvest.sae.features.record import Bin, Context, FeaturesRecord, Latent, TensorSummary

@@ -23,7 +23,8 @@ from harvest.errors import UserError
 from harvest.sae.features import screenshot
 from harvest.sae.features.record import Bin, Context, FeaturesRecord, Latent, TensorSummary
 from harvest.sae.features.serve import serve
-from harvest.sae.features.site import BLOCK, SiteWriter, script, short
+from harvest.sae.features.site import SiteWriter, script, short
+from harvest.sae.features.writer import BLOCK
 from harvest.storage.storage import Storage
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -91,6 +92,16 @@ def site(tmp_path_factory) -> Site:
     rng = np.random.default_rng(0)
     return write(tmp_path_factory.mktemp("site"), {"resid_post.3": synthetic(rng, 230, 5000),
                                                      "resid_post.5": synthetic(rng, 40, 5000)}, 5000)
+
+
+@pytest.fixture(scope="module")
+def real_site(straight, tmp_path_factory) -> Site:
+    """The site `harvest sae features` writes for the SAE tests' straight run (its held-out stream), and the
+    records the pass computed (equal to numpy's brute force: test_features_exact.py)."""
+    from features_helpers import build_features
+
+    out, record, latents = build_features(straight, tmp_path_factory.mktemp("real-site") / "out", batch_tokens=96)
+    return Site(out, record, latents)
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +252,9 @@ def alpha(colour: str) -> float:
     return float(parts[3]) if len(parts) == 4 else 1.0 if colour.startswith("rgb(") else 0.0
 
 
-def test_latent_page_shows_the_records(site, driver):
+@pytest.mark.parametrize("made", ["site", "real_site"])
+def test_latent_page_shows_the_records(made, request, driver):
+    site = request.getfixturevalue(made)
     tensor = site.record.tensors[0].tensor
     xs = site.latents[tensor]
     x = max((x for x in xs if x.top), key=lambda x: len(set(x.top[0].acts)))
@@ -269,8 +282,9 @@ def test_latent_page_shows_the_records(site, driver):
         assert [v for _, v in rows] == pytest.approx([v for _, v in pairs], rel=1e-3)
     assert js(driver, "return document.querySelectorAll('section.bin').length") == len(x.bins)
     ARTIFACTS.mkdir(exist_ok=True)
-    driver.save_screenshot(str(ARTIFACTS / "features-latent.png"))
-    print(f"screenshot of latent {x.index}'s page: {ARTIFACTS / 'features-latent.png'}")
+    shot = ARTIFACTS / f"features-latent-{made}.png"
+    driver.save_screenshot(str(shot))
+    print(f"screenshot of latent {x.index}'s page: {shot}")
     nxt = x.index + 1 if x.index + 1 < len(xs) else x.index - 1
     click(driver, "a.next" if nxt > x.index else "a.prev")
     wait(driver, f"a.back[href='#/{tensor}']")

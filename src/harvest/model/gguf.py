@@ -66,6 +66,20 @@ def gguf_in(directory: Path) -> Path | None:
     return found[0] if found else None
 
 
+def model_name(model: str) -> str:
+    """The model as people name it: a hub id's last part, a checkpoint directory's name, or, for a directory this
+    module converted (named by a digest), the GGUF file's name without .gguf (SmolLM2-135M-Instruct.Q4_1)."""
+    base = model.rstrip("/").rsplit("/", 1)[-1]
+    record = Path(model) / "gguf.json"
+    if record.is_file():
+        try:
+            source = str(json.loads(record.read_text())["source"])
+        except (ValueError, KeyError, TypeError):
+            return base
+        base = source.rstrip("/").rsplit("/", 1)[-1]
+    return base[:-len(".gguf")] if base.endswith(".gguf") else base
+
+
 def materialize(model: str) -> Path:
     """The HF checkpoint directory of the GGUF file or URL `model`, converted on first use."""
     local = _local_copy(model)

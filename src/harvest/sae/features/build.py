@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from harvest.errors import UserError
-from harvest.sae.features import BLOCK
+from harvest.model.gguf import model_name
+from harvest.sae.features.writer import BLOCK, Writer
 from harvest.sae.features.config import FeaturesConfig
 from harvest.sae.features.contexts import Contexts, contexts_of, examples
 from harvest.sae.features.plan import Plan, make_plan
@@ -25,12 +26,6 @@ from harvest.storage import Storage, json_bytes
 log = logging.getLogger(__name__)
 
 CHUNK = 1024  # latents whose contexts are fetched together (each shard read once per chunk)
-
-
-class Writer(Protocol):
-    def add(self, tensor: str, block: list[Latent]) -> None: ...
-
-    def close(self) -> None: ...
 
 
 Writers = Callable[[Storage, FeaturesRecord], list[Writer]]
@@ -90,7 +85,7 @@ def write_output(plan: Plan, merged: dict[str, TensorState], tokens: int, out: S
         logits = Logits(checkpoint, cfg.logits, vocab)
     record = FeaturesRecord(
         sae_run=Storage(cfg.sae).url, step=plan.step, runs=[r.url for r in plan.runs], streams=plan.streams,
-        model=model, tensors=[summary(t, plan, merged[t], tokens) for t in plan.tensors],
+        model=model, model_name=model and model_name(model), tensors=[summary(t, plan, merged[t], tokens) for t in plan.tensors],
         settings={"top": cfg.top, "window": cfg.window, "bins": cfg.bins, "per_bin": cfg.per_bin,
                   "dense_above": cfg.dense_above, "logits": cfg.logits if logits else 0,
                   "batch_tokens": cfg.batch_tokens, "tokens": cfg.tokens, "skip_first": plan.skip_first})

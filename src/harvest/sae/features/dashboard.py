@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from harvest.model.points import tl_hook_of_tensor
-from harvest.sae.features import BLOCK
+from harvest.sae.features.writer import BLOCK, BlockOrder
 from harvest.sae.features.record import Context, FeaturesRecord, Latent, TensorSummary
 from harvest.sae.features.site import short
 from harvest.storage.storage import Storage
@@ -104,14 +104,13 @@ class _Source:
         self.hook_name = tl_hook_of_tensor(summary.tensor) or summary.tensor
         point, _, layer = summary.tensor.rpartition(".")
         self.layer = int(layer) if layer.isdigit() else 0
-        self.model_id = (record.model or "").rstrip("/").rsplit("/", 1)[-1]
+        self.model_id = record.model_name or (record.model or "").rstrip("/").rsplit("/", 1)[-1]
         run = record.sae_run.rstrip("/").rsplit("/", 1)[-1]
         # Neuronpedia names a source "<layer>-<set>": the point in the set keeps a run's tensors at one layer apart.
         self.sae_set = f"{run}-{point or summary.tensor}"
         self.dir = "_".join(_NAME.sub("-", part) or "-" for part in
                             (self.model_id, self.sae_set, self.hook_name, str(summary.latents)))
         self.dataset = ",".join(record.runs)
-        self.added = 0
 
     def feature(self, latent: Latent) -> dict[str, Any]:
         """A latent as the runner's feature (its NeuronpediaDashboardFeature.to_dict keys, in its order)."""
@@ -159,24 +158,17 @@ class NeuronpediaWriter:
         self.storage = storage
         self.record = record
         self.sources = {summary.tensor: _Source(record, summary) for summary in record.tensors}
+        self.order = BlockOrder(record)
 
     def add(self, tensor: str, block: list[Latent]) -> None:
-        source = self.sources.get(tensor)
-        if source is None:
-            raise ValueError(f"tensor {tensor!r} is not in the record (it has {', '.join(self.sources)})")
-        first = source.added
-        if first % BLOCK or not block or [latent.index for latent in block] != list(range(first, first + len(block))):
-            raise ValueError(f"{tensor}: expected a block of latents {first}.., whole blocks of {BLOCK} but the last; "
-                             f"got {[latent.index for latent in block][:3]}..")
-        self.storage.write_bytes(f"{source.dir}/{batch_name(first // BLOCK)}", _json(source.batch(block)))
-        source.added += len(block)
+        number = self.order.take(tensor, block)
+        source = self.sources[tensor]
+        self.storage.write_bytes(f"{source.dir}/{batch_name(number)}", _json(source.batch(block)))
 
     def close(self) -> None:
         """Writes each tensor's run settings and skipped latents, once all its latents are in."""
+        self.order.check_complete()
         for source in self.sources.values():
-            if source.added != source.summary.latents:
-                raise ValueError(f"{source.summary.tensor}: {source.added} of its {source.summary.latents} latents "
-                                 "were added")
             self.storage.write_bytes(f"{source.dir}/{RUN_SETTINGS}",
                                      _json(source.run_settings(self.storage, self.record)))
             self.storage.write_bytes(f"{source.dir}/{SKIPPED}", _json(source.skipped()))

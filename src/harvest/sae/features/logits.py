@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest.sae.features import BLOCK
+from harvest.sae.features.writer import BLOCK
 from harvest.sae.features.vocab import Vocab
 
 log = logging.getLogger(__name__)

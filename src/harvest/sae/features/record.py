@@ -126,14 +126,17 @@ class FeaturesRecord:
     settings: dict[str, Any]  # top, window, bins, per_bin, dense_above, ...
     tensors: list[TensorSummary]
     format_version: int = FORMAT_VERSION
+    model_name: str | None = None  # the model as people name it (a hub id's name, a GGUF file's), for titles
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": self.format_version, "sae_run": self.sae_run, "step": self.step,
-                "runs": self.runs, "streams": self.streams, "model": self.model, "settings": self.settings,
+                "runs": self.runs, "streams": self.streams, "model": self.model, "model_name": self.model_name,
+                "settings": self.settings,
                 "tensors": [t.to_json() for t in self.tensors]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FeaturesRecord:
         return cls(str(data["sae_run"]), int(data["step"]), list(data["runs"]),
                    [[int(s) for s in r] for r in data["streams"]], data.get("model"), dict(data["settings"]),
-                   [TensorSummary.from_json(t) for t in data["tensors"]], int(data.get("format_version", 0)))
+                   [TensorSummary.from_json(t) for t in data["tensors"]], int(data.get("format_version", 0)),
+                   data.get("model_name"))

@@ -20,9 +20,9 @@ from importlib import resources
 from typing import Any
 
 from harvest.sae.features.record import FeaturesRecord, Latent
+from harvest.sae.features.writer import BLOCK, BlockOrder
 from harvest.storage.storage import Storage
 
-BLOCK = 64  # latents per data file
 TOP_TOKENS = 5  # firing tokens of a latent's strongest examples listed (and searched) on the index
 WEB_FILES = ("index.html", "app.js", "style.css")
 _TENSOR = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -94,9 +94,6 @@ class _Index:
         for column, value in zip(self.columns.values(), row):
             column.append(value)
 
-    def __len__(self) -> int:
-        return len(self.columns["count"])
-
 
 class SiteWriter:
     """Writes the site into `storage` as the blocks of latents come (the Writer protocol of sae/features: `add`
@@ -111,26 +108,19 @@ class SiteWriter:
                 raise ValueError(f"tensor {summary.tensor!r}: the site names a directory after it; use letters, "
                                  "digits, '_', '.' and '-'")
             self.indexes[summary.tensor] = _Index(summary.dense_above)
+        self.order = BlockOrder(record)
 
     def add(self, tensor: str, block: list[Latent]) -> None:
-        index = self.indexes.get(tensor)
-        if index is None:
-            raise ValueError(f"tensor {tensor!r} is not in the record (it has {', '.join(self.indexes)})")
-        first = len(index)
-        if first % BLOCK or not block or [latent.index for latent in block] != list(range(first, first + len(block))):
-            raise ValueError(f"{tensor}: expected a block of latents {first}.., whole blocks of {BLOCK} but the last; "
-                             f"got {[latent.index for latent in block][:3]}..")
-        path = block_path(tensor, first // BLOCK)
+        path = block_path(tensor, self.order.take(tensor, block))
         self.storage.write_bytes(path, script(path, [_latent(latent) for latent in block]))
         for latent in block:
-            index.add(latent)
+            self.indexes[tensor].add(latent)
 
     def close(self) -> None:
         """Writes the indexes, the record and the pages, once every tensor's latents are in."""
+        self.order.check_complete()
         for summary in self.record.tensors:
             index = self.indexes[summary.tensor]
-            if len(index) != summary.latents:
-                raise ValueError(f"{summary.tensor}: {len(index)} of its {summary.latents} latents were added")
             path = index_path(summary.tensor)
             self.storage.write_bytes(path, script(path, {
                 "tensor": summary.tensor, "latents": summary.latents, "tokens": summary.tokens,

@@ -102,7 +102,7 @@ async function home(mine) {
     el("td", {}, int(t.dead)), el("td", {}, `${int(t.dense)} (density > ${fmt(t.dense_above)})`),
     el("td", {}, t.architecture), el("td", {}, int(t.width))));
   draw(mine, "tensors", [], el("h1", {}, "SAE latents"),
-    dl([["SAE run", site.sae_run], ["step", site.step], ["model", site.model || "none given"],
+    dl([["SAE run", site.sae_run], ["step", site.step], ["model", site.model_name || site.model || "none given"],
       ["runs read", site.runs.join(", ")], ["streams", site.streams.map((s) => s.join(",")).join(" | ")],
       ["settings", Object.entries(site.settings).map(([k, v]) => `${k} ${JSON.stringify(v)}`).join(" · ")]]),
     el("table", { id: "tensors" }, el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { scope: "col" }, h)))),
