@@ -90,6 +90,7 @@ TREATMENT: dict[str, tuple] = {
     "harvest sae eval gs://bucket/sae1 --model": (RUN, ["--max-seq-len", "64"]),
     "harvest sae export gs://bucket/sae1 --format saelens": (RUN, []),
     "harvest sae export gs://bucket/sae1 --format sparsify": (RUN, []),
+    "harvest sae features gs://bucket/sae1": (RUN, ["--batch-tokens", "128"]),
 }
 # URLs that stand for another example's output: the SAEs train on the streams example's run.
 ALIASES = {"gs://bucket/run": "gs://my-bucket/qwen05-arc"}

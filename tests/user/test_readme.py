@@ -22,6 +22,8 @@ from readme_blocks import Block, blocks
 from readme_world import (FLEET, MAKE, POD, TREATMENT, WIDTH, commands_of, inner, key_of, make_world, plan_on,
                           readme_commands)
 
+from harvest.sae.features import screenshot
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
@@ -171,6 +173,11 @@ def test_sparse_autoencoders(world):
 
     coder = SparseCoder.load_from_disk(str(world.root / "sae1-sparsify" / "resid_post.12"))
     assert coder.d_in == WIDTH
+    assert world.run(commands_of("harvest sae features gs://bucket/sae1")[0]) == outputs[6]  # the README's, run once
+    site = world.root / "sae1-features"
+    record = json.loads((site / "features.json").read_text())
+    assert [t["tensor"] for t in record["tensors"]] == ["resid_post.12", "resid_post.20"]
+    assert (site / "index.html").is_file() and len(list((site / "neuronpedia").iterdir())) == 2
 
 
 # The Python examples ------------------------------------------------------------------------------------------
@@ -252,7 +259,10 @@ def test_the_demo_prints_the_command_of_every_step_and_its_tables_fit_a_log(tmp_
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     steps = [i for i, line in enumerate(lines) if re.match(r"\d\. ", line)]
-    assert len(steps) == 8, done.stdout
+    assert len(steps) == 9, done.stdout
+    assert (out / "features" / "index.html").is_file() and f"open {out / 'features'}/index.html" in done.stdout
+    shots = list((out / "features").glob("latent-*.png"))
+    assert len(shots) == (1 if screenshot.browser() else 0), done.stdout
     for i in steps:  # the command on the step's line or the lines below it
         assert re.search(r"(harvest|python -m harvest\.demo) \w", " ".join(lines[i:i + 3])), lines[i:i + 3]
     assert "…" not in done.stdout and max(map(len, lines)) > 80  # tables 200 columns wide on a pipe, not cut

@@ -28,7 +28,6 @@ from harvest.sae.step import param_specs
 from harvest.sae.features.state import NO_KEY, NUM_BINS, TensorState, add_exact, bin_index, sample_key
 
 
-
 class Running(NamedTuple):
     """Kept across shards: max, top-K and sample; per shard (reset at each flush): count, sum, histogram."""
 

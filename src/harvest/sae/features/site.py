@@ -27,6 +27,7 @@ TOP_TOKENS = 5  # firing tokens of a latent's strongest examples listed (and sea
 WEB_FILES = ("index.html", "app.js", "style.css")
 _TENSOR = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _UNSAFE = re.compile("[\u2028\u2029\ud800-\udfff]")
+_SCRIPT = re.compile(r'harvestRegister\(("(?:[^"\\]|\\.)*"),(.*)\);\n', re.S)
 _DEAD, _DENSE = 1, 2  # the index's flags (app.js reads the same)
 
 
@@ -35,6 +36,28 @@ def script(path: str, data: Any) -> bytes:
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     text = _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text.replace("</", "<\\/"))
     return f"harvestRegister({json.dumps(path)},{text});\n".encode("utf-8")
+
+
+def read_script(data: bytes) -> tuple[str, Any]:
+    """(path, data) of a data file `script` wrote."""
+    match = _SCRIPT.fullmatch(data.decode("utf-8"))
+    if match is None:
+        raise ValueError("not a data file of a harvest features site (harvestRegister(path, JSON);)")
+    return json.loads(match.group(1)), json.loads(match.group(2))
+
+
+def clearest_latent(storage: Storage, tensor: str) -> int | None:
+    """The latent a first look should open: neither dead nor dense, the fewest distinct tokens among its top
+    examples' firing tokens (the most clearly about one thing), a word before digits and punctuation, then the
+    most firings; None if all are dead or dense."""
+    index = read_script(storage.read_bytes(index_path(tensor)))[1]
+    shown = [i for i, flag in enumerate(index["flag"]) if flag == 0 and index["top"][i]]
+
+    def word(i: int) -> bool:
+        token = index["top"][i][0].strip()
+        return len(token) >= 3 and token.isalpha()
+
+    return min(shown, key=lambda i: (len(index["top"][i]), not word(i), -index["count"][i]), default=None)
 
 
 def block_path(tensor: str, number: int) -> str:
