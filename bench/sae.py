@@ -9,7 +9,12 @@ rates leave out the first SKIP steps and cover the same steps after them (harves
 the reader included; sparsify: the time of each step's forward, to the end of fit); the two alternate for
 --rounds rounds and the table shows each one's best. The FVU is each SAE's on all the run's tokens.
 
-Run:  .venv/bin/python bench/sae.py               # 256 wide, 4096 latents, 2 rounds: ~4 minutes on 2 CPU cores
+First, where a step's time goes (`parts`), at the bench's shape and the real one (Qwen2.5-0.5B's residual): the
+reader's batch, encode, top-k, decode, the forward with its loss, the backward, the optimizer, the host sync,
+each a separately jitted function timed alone. Parts fused in one step can cost less than alone.
+
+Run:  .venv/bin/python bench/sae.py               # 256 wide, 4096 latents, 2 rounds: ~5 minutes on 2 CPU cores
+      .venv/bin/python bench/sae.py --parts-only  # the per-part table alone: ~1 minute
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -27,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import numpy as np  # noqa: E402
 
 TENSOR = "resid_post.6"
+REAL = (896, 16, 64)  # Qwen2.5-0.5B's residual: width, expansion, k
 SKIP = 5  # steps of warm-up (compilation, first allocations) left out of both trainers' tokens/s
 
 
@@ -43,7 +50,9 @@ def write_run(url: str, width: int, tokens: int, seed: int = 0) -> None:
     def activations(n: int) -> np.ndarray:
         picks = rng.integers(0, len(atoms), (n, 16))
         weights = rng.exponential(1.0, (n, 16)).astype(np.float32)
-        x = np.einsum("nk,nkd->nd", weights, atoms[picks]) + 0.1 * rng.standard_normal((n, width))
+        x = 0.1 * rng.standard_normal((n, width))
+        for at in range(0, n, 4096):  # [4096, 16, width] at a time
+            x[at:at + 4096] += np.einsum("nk,nkd->nd", weights[at:at + 4096], atoms[picks[at:at + 4096]])
         return x.astype(ml_dtypes.bfloat16)
 
     writer.rng = type("Rng", (), {"normal": staticmethod(lambda size: activations(size[0])),
@@ -51,6 +60,79 @@ def write_run(url: str, width: int, tokens: int, seed: int = 0) -> None:
     per_shard = 32768
     for k in range(max(tokens // per_shard, 2)):
         writer.shard(k % 2, [per_shard // 64] * 64)
+
+
+def best_ms(fn, *args, reps: int) -> float:
+    """The best of `reps` timed calls of jitted `fn` (after one to compile), in ms."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, reps: int) -> dict[str, float]:
+    """ms of each part of a TopK training step on the run at `url`: each part a jitted function timed alone (best of
+    `reps`), then the whole step (sae/step.make_step, state donated), the metrics' copy to the host, and the reader's
+    batch (sae/data.next_batch over the run)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from harvest.runtime.mesh import make_mesh
+    from harvest.sae import data as D
+    from harvest.sae import model as M
+    from harvest.sae.step import init_state, make_optimizer, make_step, state_shardings
+
+    spec = M.Spec("topk", width, latents, k, width // 2)
+    mesh = make_mesh("1d")
+    inputs = D.open_inputs((url,), (TENSOR,), 0, 0)
+    readers = D.readers(inputs, [TENSOR], batch, mesh, 0)
+    batches = [D.next_batch(readers, [TENSOR]) for _ in range(2)]
+    x = batches[0][TENSOR]
+    params = jax.jit(lambda x: M.init_params(jax.random.key(0), spec, jnp.mean(x, 0)))(x)
+    dead = jnp.zeros(latents, bool)
+    pre = jax.jit(lambda p, x: jax.nn.relu(M.pre_activations(p, x)))(params, x)
+    values, indices = jax.jit(lambda a: jax.lax.top_k(a, k))(pre)
+    out = {"encode ([B, d] @ [d, L], ReLU)": best_ms(jax.jit(lambda p, x: jax.nn.relu(M.pre_activations(p, x))),
+                                                      params, x, reps=reps),
+           "top-k (lax.top_k)": best_ms(jax.jit(lambda a: jax.lax.top_k(a, k)), pre, reps=reps),
+           "decode (k rows gathered)": best_ms(jax.jit(M.decode_sparse), params, values, indices, reps=reps),
+           "forward and loss": best_ms(jax.jit(lambda p, x: M.loss(p, x, spec, dead)), params, x, reps=reps),
+           "forward and backward": best_ms(jax.jit(jax.value_and_grad(lambda p, x: M.loss(p, x, spec, dead),
+                                                                     has_aux=True)), params, x, reps=reps)}
+    out["backward"] = out["forward and backward"] - out["forward and loss"]
+    optimizer = make_optimizer(lr, 2, 10**6, "linear")
+    grads = jax.jit(jax.grad(lambda p, x: M.loss(p, x, spec, dead)[0]))(params, x)
+    out["optimizer (Adam, unit decoder rows)"] = best_ms(jax.jit(
+        lambda g, s, p: M.unit_rows(optax.apply_updates(p, optimizer.update(g, s, p)[0])["W_dec"])),
+        grads, optimizer.init(params), params, reps=reps)
+    optimizers = {TENSOR: optimizer}
+    shardings = state_shardings({TENSOR: spec}, optimizers, mesh, {TENSOR: jax.eval_shape(lambda: params)})
+    step = make_step({TENSOR: spec}, optimizers, shardings, mesh, dead_tokens=10**7, scales={TENSOR: 1.0},
+                     compute_dtype="float32")
+    state = [init_state({TENSOR: params}, optimizers, {TENSOR: spec}, shardings)]
+
+    def one(b):
+        state[0], metrics = step(state[0], b)
+        return state[0], metrics
+
+    out["whole step (sae/step.make_step)"] = best_ms(one, batches[1], reps=reps)
+    reader_ms = []
+    for _ in range(reps):  # last: the reader's threads read ahead after each batch, and would slow the parts timed
+        start = time.perf_counter()
+        jax.block_until_ready(D.next_batch(readers, [TENSOR]))
+        reader_ms.append(1e3 * (time.perf_counter() - start))
+    out["reader batch (sae/data.next_batch)"] = min(reader_ms)
+    _, metrics = jax.block_until_ready(one(batches[1]))
+    start = time.perf_counter()
+    jax.device_get(metrics)
+    out["metrics to the host (the trainer: at log lines only)"] = 1e3 * (time.perf_counter() - start)
+    return out
 
 
 def main() -> None:
@@ -62,7 +144,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=2, help="harvest then sparsify, this many times; best of each")
+    parser.add_argument("--parts", choices=("both", "bench", "none"), default="both",
+                        help="the per-part table: at the bench's shape and the real one (896 wide, 16x, k 64), "
+                             "at the bench's alone, or none")
+    parser.add_argument("--parts-reps", type=int, default=3, help="timed calls per part (best of them)")
+    parser.add_argument("--parts-only", action="store_true", help="the per-part table alone, no trainers compared")
     args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-sae-"))
+    if args.parts != "none":
+        shapes = [(args.width, args.expansion, args.k)] + ([REAL] if args.parts == "both" else [])
+        table = {}
+        for width, expansion, k in shapes:
+            url = str(root / f"parts-{width}")
+            write_run(url, width, args.batch * (2 * args.parts_reps + 2))
+            table[(width, expansion, k)] = parts(url, width, width * expansion, k, args.batch, args.lr,
+                                                 args.parts_reps)
+        print(f"\nms per TopK step, batch {args.batch} tokens, each part jitted and timed alone (best of "
+              f"{args.parts_reps}); CPU, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+        print(f"{'part':<40}" + "".join(f"{f'{w} wide, {w * e} latents, k {k}':>32}" for w, e, k in table))
+        for name in next(iter(table.values())):
+            print(f"{name:<40}" + "".join(f"{t[name]:>32.1f}" for t in table.values()))
+    if args.parts_only:
+        return
 
     from sae_reference import sparsify_fvu_and_dead, train_sparsify
 
@@ -72,7 +175,6 @@ def main() -> None:
     from harvest.sae.export import load_sae_run, spec_of
     from harvest.training.run import train as run_sae_train
 
-    root = Path(tempfile.mkdtemp(prefix="bench-sae-"))
     tokens = args.batch * args.steps
     write_run(str(root / "run"), args.width, tokens)
     latents = args.width * args.expansion

@@ -72,6 +72,9 @@ class SaeConfig(RuntimeConfig):
     param_dtype: str = param_dtype_setting()
     compute_dtype: str | None = compute_dtype_setting()
     seed: int = setting("seed of the init and of the reader's order", 0, minimum=0)
+    profile: bool = setting("at each log line, the ms per step spent waiting for the reader's batch and in the "
+                            "step: which of the two binds (the step is waited for, so they no longer overlap; the "
+                            "first line includes compilation)", False)
     eval_every: int = setting("every this many steps: fvu, l0 and dead fraction on up to 8 batches of the "
                               "held-out streams (--holdout-streams), logged as eval_*; 0 = off", 0, minimum=0)
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from harvest.sae.topk import kth_largest, top_k
+from harvest.sae.topk import kth_largest, kth_value
 
 SPARSE = ("topk",)
 UNIT_DECODER = ("topk", "batchtopk")
@@ -151,7 +151,7 @@ def encode(params: dict, x: jax.Array, spec: Spec, inference: bool = False, mesh
     pre = pre_activations(params, x)
     if spec.architecture == "topk":
         pre = jax.nn.relu(pre)
-        kth = top_k(jax.lax.stop_gradient(pre), spec.k, mesh)[0][:, -1:]
+        kth = kth_value(jax.lax.stop_gradient(pre), spec.k, mesh)
         return jnp.where(pre >= kth, pre, 0.0)
     if spec.architecture == "batchtopk":
         pre = jax.nn.relu(pre)
@@ -210,7 +210,7 @@ def auxk_loss_dense(params: dict, pre: jax.Array, residual: jax.Array, dead: jax
     """auxk_loss with the top `aux_k` dead latents as a mask over [B, L] (a masked matmul decodes them), for
     latents split over `mesh`'s `model` axis; `pre` is the ReLU pre-activations, with their gradient."""
     candidates = jnp.where(dead, jax.lax.stop_gradient(pre), -jnp.inf)
-    kth = top_k(candidates, aux_k, mesh)[0][:, -1:]
+    kth = kth_value(candidates, aux_k, mesh)
     estimate = jnp.where((candidates >= kth) & jnp.isfinite(candidates), pre, 0.0) @ params["W_dec"]
     scale = jnp.minimum(jnp.sum(dead) / aux_k, 1.0)
     return scale * jnp.sum(jnp.square(estimate - jax.lax.stop_gradient(residual))) / variance

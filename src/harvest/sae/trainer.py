@@ -110,13 +110,20 @@ class SaeTrainer(Trainer):
     def advance(self, step: int) -> dict:
         if self.follow:
             self.positions[:] = [b.state_dict() for b in self.batches]
+        started = time.perf_counter()
         batch = D.next_batch(self.batches, self.tensors)
+        waited = time.perf_counter()
         if self.state is None:
             self.state = _initial_state(self.cfg, self.specs, self.optimizers, self.shardings, batch, self.scales)
         self.state, metrics = self.step_fn(self.state, batch)
+        profile = None
+        if self.cfg.profile:  # the step waited for: (reader, step) seconds
+            jax.block_until_ready(self.state)
+            profile = (waited - started, time.perf_counter() - waited)
         held = (self.evaluate(self.state["params"], self.eval_rows)
                 if self.evaluate and step % self.cfg.eval_every == 0 else None)
-        return {"train": metrics, "held": held, "left_out": D.left_out(self.batches) if self.ratio else None}
+        return {"train": metrics, "held": held, "left_out": D.left_out(self.batches) if self.ratio else None,
+                "profile": profile}
 
     def log_now(self, metrics: dict) -> bool:
         return metrics["held"] is not None
@@ -138,17 +145,22 @@ class SaeTrainer(Trainer):
         left_out = now["left_out"]
         massive = {} if left_out is None else {"massive_left_out": left_out[0],
                                                "massive_share": left_out[0] / max(left_out[1], 1)}
+        timed = [m["profile"] for m in metrics if m["profile"] is not None]
+        profile = {} if not timed else {"reader_ms": 1e3 * float(np.mean([t[0] for t in timed])),
+                                        "step_ms": 1e3 * float(np.mean([t[1] for t in timed]))}
         return {"step": step, "tokens": step * self.cfg.batch_tokens, **mean, "dead_window": window, **massive,
-                "tokens_per_s": steps * self.cfg.batch_tokens / seconds, "time": time.time(), "tensors": values}
+                "tokens_per_s": steps * self.cfg.batch_tokens / seconds, **profile, "time": time.time(),
+                "tensors": values}
 
     def line(self, r: dict[str, Any]) -> str:
+        left_out = (f"left out {r['massive_left_out']:,} ({r['massive_share']:.2%}) over {self.ratio:g}x median  "
+                    if "massive_left_out" in r else "")
+        profile = f"  reader {r['reader_ms']:.1f} ms/step, step {r['step_ms']:.1f} ms/step" if "step_ms" in r else ""
+        held = (f"  eval fvu {r['eval_fvu']:.4f} l0 {r['eval_l0']:.1f} dead {r['eval_dead_fraction']:.1%}"
+                if "eval_fvu" in r else "")
         return (f"step {r['step']}/{self.steps}  fvu {r['fvu']:.4f}  l0 {r['l0']:.1f}  "
                 f"dead {r['dead_fraction']:.1%} (none in {_tokens(r['dead_window'])})  aux {r['aux_loss']:.3g}  "
-                + (f"left out {r['massive_left_out']:,} ({r['massive_share']:.2%}) over {self.ratio:g}x median  "
-                   if "massive_left_out" in r else "") +
-                f"{r['tokens_per_s']:,.0f} tokens/s" + (f"  eval fvu {r['eval_fvu']:.4f} l0 {r['eval_l0']:.1f} "
-                                                         f"dead {r['eval_dead_fraction']:.1%}" if "eval_fvu" in r
-                                                         else ""))
+                f"{left_out}{r['tokens_per_s']:,.0f} tokens/s{profile}{held}")
 
     def final(self, step: int, last: dict[str, Any]) -> tuple[dict[str, Any], str]:
         final = {"tokens": step * self.cfg.batch_tokens,
