@@ -102,13 +102,7 @@ def make_encode(spec: M.Spec, mesh: Mesh):
     sharded = mesh if split(mesh, spec.latents) else None
 
     def encode(params: dict, x: jax.Array) -> jax.Array:
-        if spec.architecture != "topk" or sharded is not None:
-            return M.encode(params, x, spec, inference=True, mesh=sharded)
-        # model.encode's, with the k-th value taken from the whole top-k: sliced inside, XLA's CPU top-k becomes a
-        # sort (~10x slower at 4096 latents)
-        pre = jax.nn.relu(M.pre_activations(params, x))
-        kth = jax.lax.optimization_barrier(jax.lax.top_k(pre, spec.k)[0])[:, -1:]
-        return jnp.where(pre >= kth, pre, 0.0)
+        return M.encode(params, x, spec, inference=True, mesh=sharded)
 
     return jax.jit(encode)
 
