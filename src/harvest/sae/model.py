@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from harvest.sae import cpu_kernels
 from harvest.sae.topk import kth_largest, kth_value
 
 SPARSE = ("topk",)
@@ -223,15 +224,23 @@ def infer(params: dict, x: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Array]
     return latents, decode(params, latents)
 
 
-def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, mesh: Mesh | None = None) -> tuple[jax.Array, dict]:
+def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, mesh: Mesh | None = None,
+         kernels: bool = False) -> tuple[jax.Array, dict]:
     """(the loss to minimize, metrics: fvu, l0, aux_loss, and for batchtopk the batch's smallest firing value).
-    `mesh`: the latents are split over its `model` axis (the dense masked formulation)."""
+    `mesh`: the latents are split over its `model` axis (the dense masked formulation). `kernels`: topk's sparse
+    step through sae/cpu_kernels (float32 on one CPU device)."""
     variance = total_variance(x)
     aux = jnp.zeros((), jnp.float32)
     extra = {}
     if spec.architecture in SPARSE and mesh is None:
-        values, indices, pre = encode_sparse(params, x, spec.k)
-        out = decode_sparse(params, values, indices)
+        if kernels:
+            decoded, values, indices = cpu_kernels.reconstruct(x, params["b_dec"], params["W_enc"],
+                                                               params["b_enc"], params["W_dec"], spec.k)
+            out = decoded + params["b_dec"]
+            pre = jax.lax.stop_gradient(jax.nn.relu(pre_activations(params, x)))  # for AuxK alone (else unused)
+        else:
+            values, indices, pre = encode_sparse(params, x, spec.k)
+            out = decode_sparse(params, values, indices)
         # fired: active (> 0) on a token, as every other path and `sae eval` count it (a latent top-k picked at 0 is not)
         fired = jnp.zeros(spec.latents, bool).at[indices.reshape(-1)].max(values.reshape(-1) > 0)
         l0 = jnp.mean(jnp.sum(values > 0, axis=-1).astype(jnp.float32))

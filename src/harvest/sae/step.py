@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from harvest.sae import cpu_kernels
 from harvest.sae import model as M
 from harvest.sae.topk import DATA_AXES
 
@@ -89,9 +90,10 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
               scales: dict[str, float], compute_dtype: str):
     """jitted (state, {tensor: [B, d] rows}) -> (state, metrics); the state is donated. `scales` multiply
     the rows first (normalize: run-stats). With latents over `model` (> 1), the masked dense formulation
-    with the two-stage top-k (sae/topk.py); else topk's sparse one."""
+    with the two-stage top-k (sae/topk.py); else topk's sparse one, through sae/cpu_kernels on one CPU device."""
     sharded = mesh if mesh.shape["model"] > 1 else None
     dtype = jnp.dtype(compute_dtype)
+    kernels = cpu_kernels.usable(list(mesh.devices.flat), dtype)
 
     def one(name: str, spec: M.Spec, state: dict, x: jax.Array):
         params, idle = state["params"][name], state["idle"][name]
@@ -100,7 +102,7 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
 
         def objective(p):
             p = jax.tree.map(lambda a: a.astype(dtype), p)
-            value, metrics = M.loss(p, x.astype(dtype), spec, dead, sharded)
+            value, metrics = M.loss(p, x.astype(dtype), spec, dead, sharded, kernels)
             return value.astype(jnp.float32), metrics
 
         (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)

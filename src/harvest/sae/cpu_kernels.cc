@@ -1,0 +1,213 @@
+// CPU kernels for a TopK SAE's step (sae/cpu_kernels.py builds and loads them): each row's k largest of
+// ReLU(pre + bias), the k chosen rows' dot products, and the scatter of their gradients, none of them through a
+// [B, k, d] array (XLA:CPU writes one out for a gather feeding a reduction or a scatter, at memory speed, and runs
+// its top-k and scatters on one thread). Threads: XLA's own intra-op pool.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Runs fn(lo, hi) over [0, n) in chunks of `grain`, taken in turn by this thread and the pool's (as many as it
+// has), and waits for all: uneven chunks even out.
+template <typename F>
+void parallel(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) {
+  const int64_t chunks = (n + grain - 1) / grain;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    for (int64_t c; (c = next.fetch_add(1)) < chunks;) fn(c * grain, std::min(n, (c + 1) * grain));
+  };
+  std::mutex mu;
+  std::condition_variable done;
+  int64_t left = helpers;
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([&] {
+      work();
+      std::lock_guard<std::mutex> lock(mu);
+      if (--left == 0) done.notify_one();
+    });
+  }
+  work();
+  std::unique_lock<std::mutex> lock(mu);
+  done.wait(lock, [&] { return left == 0; });
+}
+
+// A candidate as one integer that sorts as lax.top_k orders: a value >= 0's bits sort as the value, and the
+// complemented index puts the lower index first among equals.
+inline uint64_t key_of(float v, int64_t i) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(i));
+}
+
+constexpr int64_t kGroup = 16;
+
+// One row's k largest of ReLU(pre + bias), in lax.top_k's order. A first pass takes each group of 16 values' largest:
+// the k-th largest of those is at most the row's k-th largest, so only the groups whose largest reaches it are looked
+// at again, their values kept in a buffer of 2k that is cut back to its k best whenever it fills.
+struct Scratch {
+  std::vector<uint64_t> buf;
+  std::vector<float> most, order;
+};
+
+void topk_row(const float* pre, const float* bias, int64_t n, int64_t k, Scratch& s, float* values,
+              int32_t* indices) {
+  std::vector<uint64_t>& buf = s.buf;
+  std::vector<float>& most = s.most;
+  const int64_t groups = n / kGroup;
+  most.resize(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    float m = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) m = std::max(m, pre[i] + bias[i]);
+    most[g] = m;
+  }
+  float thr = -1.0f;  // a value passes when above it: every ReLU value does at first
+  if (groups >= k) {
+    std::vector<float>& order = s.order;
+    order.assign(most.begin(), most.end());
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), std::greater<float>());
+    if (order[k - 1] > 0.0f) thr = std::nextafter(order[k - 1], -1.0f);
+  }
+  buf.clear();
+  auto take = [&](float v, int64_t i) {
+    if (!(v > thr)) return;
+    buf.push_back(key_of(v, i));
+    if (static_cast<int64_t>(buf.size()) == 2 * k) {
+      std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<uint64_t>());
+      buf.resize(k);
+      const uint32_t bits = static_cast<uint32_t>(buf[k - 1] >> 32);
+      std::memcpy(&thr, &bits, sizeof thr);
+    }
+  };
+  auto relu = [](float v) { return v > 0.0f ? v : 0.0f; };  // -0.0 and NaN as 0
+  for (int64_t g = 0; g < groups; ++g) {
+    if (!(most[g] > thr)) continue;
+    for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) take(relu(pre[i] + bias[i]), i);
+  }
+  for (int64_t i = groups * kGroup; i < n; ++i) take(relu(pre[i] + bias[i]), i);
+  std::partial_sort(buf.begin(), buf.begin() + k, buf.end(), std::greater<uint64_t>());
+  for (int64_t j = 0; j < k; ++j) {
+    const uint32_t bits = static_cast<uint32_t>(buf[j] >> 32);
+    std::memcpy(values + j, &bits, sizeof(float));
+    indices[j] = static_cast<int32_t>(~static_cast<uint32_t>(buf[j]));
+  }
+}
+
+ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pre, ffi::Buffer<ffi::F32> bias,
+                    ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices) {
+  auto dims = pre.dimensions();
+  const int64_t rows = dims[0], n = dims[1], k = values->dimensions()[1];
+  if (k > n) return ffi::Error::InvalidArgument("k exceeds the row");
+  const float* p = pre.typed_data();
+  const float* b = bias.typed_data();
+  float* v = values->typed_data();
+  int32_t* ix = indices->typed_data();
+  parallel(pool, rows, 16, [&](int64_t lo, int64_t hi) {
+    Scratch scratch;
+    scratch.buf.reserve(2 * k);
+    for (int64_t r = lo; r < hi; ++r)
+      topk_row(p + r * n, b, n, k, scratch, v + r * k, ix + r * k);
+  });
+  return ffi::Error::Success();
+}
+
+// out[b, j] = rows[b] . table[indices[b, j]]
+ffi::Error GatherDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> indices,
+                         ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = rows.dimensions()[1];
+  const int64_t n = table.dimensions()[0];
+  const float* t = table.typed_data();
+  const int32_t* ix = indices.typed_data();
+  for (int64_t p = 0; p < b * k; ++p)
+    if (ix[p] < 0 || ix[p] >= n) return ffi::Error::InvalidArgument("an index is outside the table");
+  const float* x = rows.typed_data();
+  float* o = out->typed_data();
+  parallel(pool, b, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* xr = x + r * d;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* tr = t + static_cast<int64_t>(ix[r * k + j]) * d;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < d; ++i) s += xr[i] * tr[i];
+        o[r * k + j] = s;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// grad_a[l] = sum over (b, j) with indices[b, j] = l of a[b, j] * rows_a[b]; the same for b; grad_bias[l] = the
+// sum of b[b, j]. Each thread owns a range of latents and adds its pairs in (b, j) order: the same sums whatever
+// the thread count.
+ffi::Error ScatterImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> a,
+                       ffi::Buffer<ffi::F32> rows_a, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> rows_w,
+                       ffi::ResultBuffer<ffi::F32> grad_a, ffi::ResultBuffer<ffi::F32> grad_w,
+                       ffi::ResultBuffer<ffi::F32> grad_bias) {
+  const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = rows_a.dimensions()[1];
+  const int64_t n = grad_bias->dimensions()[0];
+  const int32_t* ix = indices.typed_data();
+  const float *av = a.typed_data(), *ra = rows_a.typed_data(), *wv = w.typed_data(), *rw = rows_w.typed_data();
+  float *ga = grad_a->typed_data(), *gw = grad_w->typed_data(), *gb = grad_bias->typed_data();
+  parallel(pool, n, std::max<int64_t>(64, n / 16), [&](int64_t lo, int64_t hi) {
+    std::memset(ga + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    std::memset(gw + lo * d, 0, sizeof(float) * (hi - lo) * d);
+    std::memset(gb + lo, 0, sizeof(float) * (hi - lo));
+    for (int64_t p = 0; p < b * k; ++p) {
+      const int64_t l = ix[p];
+      if (l < lo || l >= hi) continue;
+      const float x = av[p], y = wv[p];
+      const float* xa = ra + (p / k) * d;
+      const float* xw = rw + (p / k) * d;
+      float* oa = ga + l * d;
+      float* ow = gw + l * d;
+      for (int64_t i = 0; i < d; ++i) {
+        oa[i] += x * xa[i];
+        ow[i] += y * xw[i];
+      }
+      gb[l] += y;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestTopK, TopKImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestGatherDot, GatherDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestScatter, ScatterImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
