@@ -124,61 +124,63 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pre, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// out[b, j] = rows[b] . table[indices[b, j]]
-ffi::Error GatherDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::S32> indices,
-                         ffi::Buffer<ffi::F32> rows, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = rows.dimensions()[1];
-  const int64_t n = table.dimensions()[0];
-  const float* t = table.typed_data();
-  const int32_t* ix = indices.typed_data();
-  for (int64_t p = 0; p < b * k; ++p)
-    if (ix[p] < 0 || ix[p] >= n) return ffi::Error::InvalidArgument("an index is outside the table");
-  const float* x = rows.typed_data();
-  float* o = out->typed_data();
-  parallel(pool, b, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float* xr = x + r * d;
-      for (int64_t j = 0; j < k; ++j) {
-        const float* tr = t + static_cast<int64_t>(ix[r * k + j]) * d;
-        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; ++i) s += xr[i] * tr[i];
-        o[r * k + j] = s;
-      }
-    }
-  });
-  return ffi::Error::Success();
-}
+// The backward of decoded = sum_j values[b, j] W_dec[indices[b, j]] after values = TopK(ReLU(centred W_enc + b_enc)),
+// given d_decoded [B, d] (and d_values [B, k]): for each chosen (b, j) with latent l,
+//   g[b, j]      = (d_decoded[b] . W_dec[l] + d_values[b, j]) where values[b, j] > 0, else 0
+//   d_W_dec[l]  += values[b, j] d_decoded[b]
+//   d_W_encT[l] += g[b, j] centred[b]      (W_enc's gradient, transposed: rows per latent)
+//   d_b_enc[l]  += g[b, j]
+// The pairs are bucketed by blocks of kLatents latents, so that a block's rows stay in cache while its pairs are
+// added; each thread takes whole blocks and adds their pairs in (b, j) order: the same sums whatever the threads.
+constexpr int64_t kLatents = 64;
 
-// grad_a[l] = sum over (b, j) with indices[b, j] = l of a[b, j] * rows_a[b]; the same for b; grad_bias[l] = the
-// sum of b[b, j]. Each thread owns a range of latents and adds its pairs in (b, j) order: the same sums whatever
-// the thread count.
-ffi::Error ScatterImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> a,
-                       ffi::Buffer<ffi::F32> rows_a, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> rows_w,
-                       ffi::ResultBuffer<ffi::F32> grad_a, ffi::ResultBuffer<ffi::F32> grad_w,
-                       ffi::ResultBuffer<ffi::F32> grad_bias) {
-  const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = rows_a.dimensions()[1];
-  const int64_t n = grad_bias->dimensions()[0];
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::F32> values,
+                        ffi::Buffer<ffi::F32> d_values, ffi::Buffer<ffi::F32> d_decoded,
+                        ffi::Buffer<ffi::F32> centred, ffi::Buffer<ffi::F32> w_dec, ffi::ResultBuffer<ffi::F32> g,
+                        ffi::ResultBuffer<ffi::F32> d_w_dec, ffi::ResultBuffer<ffi::F32> d_rows_enc,
+                        ffi::ResultBuffer<ffi::F32> d_b_enc) {
+  const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = centred.dimensions()[1];
+  const int64_t n = w_dec.dimensions()[0], pairs = b * k;
   const int32_t* ix = indices.typed_data();
-  const float *av = a.typed_data(), *ra = rows_a.typed_data(), *wv = w.typed_data(), *rw = rows_w.typed_data();
-  float *ga = grad_a->typed_data(), *gw = grad_w->typed_data(), *gb = grad_bias->typed_data();
-  parallel(pool, n, std::max<int64_t>(64, n / 16), [&](int64_t lo, int64_t hi) {
-    std::memset(ga + lo * d, 0, sizeof(float) * (hi - lo) * d);
-    std::memset(gw + lo * d, 0, sizeof(float) * (hi - lo) * d);
-    std::memset(gb + lo, 0, sizeof(float) * (hi - lo));
-    for (int64_t p = 0; p < b * k; ++p) {
-      const int64_t l = ix[p];
-      if (l < lo || l >= hi) continue;
-      const float x = av[p], y = wv[p];
-      const float* xa = ra + (p / k) * d;
-      const float* xw = rw + (p / k) * d;
-      float* oa = ga + l * d;
-      float* ow = gw + l * d;
-      for (int64_t i = 0; i < d; ++i) {
-        oa[i] += x * xa[i];
-        ow[i] += y * xw[i];
+  for (int64_t p = 0; p < pairs; ++p)
+    if (ix[p] < 0 || ix[p] >= n) return ffi::Error::InvalidArgument("a latent index is outside the SAE");
+  const int64_t blocks = (n + kLatents - 1) / kLatents;
+  std::vector<int64_t> start(blocks + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) ++start[ix[p] / kLatents + 1];
+  for (int64_t c = 0; c < blocks; ++c) start[c + 1] += start[c];
+  std::vector<int32_t> order(pairs);
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[at[ix[p] / kLatents]++] = static_cast<int32_t>(p);
+  }
+  const float *v = values.typed_data(), *dv = d_values.typed_data(), *e = d_decoded.typed_data();
+  const float *c = centred.typed_data(), *w = w_dec.typed_data();
+  float *go = g->typed_data(), *gd = d_w_dec->typed_data(), *ge = d_rows_enc->typed_data(), *gb = d_b_enc->typed_data();
+  parallel(pool, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t block = lo; block < hi; ++block) {
+      const int64_t first = block * kLatents, last = std::min(n, first + kLatents);
+      std::memset(gd + first * d, 0, sizeof(float) * (last - first) * d);
+      std::memset(ge + first * d, 0, sizeof(float) * (last - first) * d);
+      std::memset(gb + first, 0, sizeof(float) * (last - first));
+      for (int64_t q = start[block]; q < start[block + 1]; ++q) {
+        const int64_t p = order[q], l = ix[p], row = p / k;
+        const float* er = e + row * d;
+        const float* cr = c + row * d;
+        const float* wr = w + l * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += er[i] * wr[i];
+        const float gp = v[p] > 0.0f ? dot + dv[p] : 0.0f;
+        go[p] = gp;
+        const float vp = v[p];
+        float* od = gd + l * d;
+        float* oe = ge + l * d;
+        for (int64_t i = 0; i < d; ++i) {
+          od[i] += vp * er[i];
+          oe[i] += gp * cr[i];
+        }
+        gb[l] += gp;
       }
-      gb[l] += y;
     }
   });
   return ffi::Error::Success();
@@ -193,14 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestTopK, TopKImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestGatherDot, GatherDotImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestScatter, ScatterImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestBackward, BackwardImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -208,6 +203,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HarvestScatter, ScatterImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

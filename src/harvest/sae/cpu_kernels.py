@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = {"topk": "HarvestTopK", "gather_dot": "HarvestGatherDot", "scatter": "HarvestScatter"}
+TARGETS = {"topk": "HarvestTopK", "backward": "HarvestBackward"}
 ENV = "HARVEST_CPU_KERNELS"  # 0: keep XLA's formulation
 
 
@@ -111,17 +111,14 @@ def top_k_relu(pre: jax.Array, bias: jax.Array, k: int) -> tuple[jax.Array, jax.
     return _call("topk", out)(pre, bias)
 
 
-def gather_dot(table: jax.Array, indices: jax.Array, rows: jax.Array) -> jax.Array:
-    """[B, k]: rows[b] . table[indices[b, j]]."""
-    return _call("gather_dot", jax.ShapeDtypeStruct(indices.shape, jnp.float32))(table, indices, rows)
-
-
-def scatter(indices: jax.Array, a: jax.Array, rows_a: jax.Array, w: jax.Array, rows_w: jax.Array,
-            n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """([n, d] sum of a[b, j] rows_a[b] into row indices[b, j], the same of w and rows_w, [n] sum of w)."""
-    d = rows_a.shape[1]
-    out = (jax.ShapeDtypeStruct((n, d), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((n,), jnp.float32),)
-    return _call("scatter", out)(indices, a, rows_a, w, rows_w)
+def backward(indices: jax.Array, values: jax.Array, d_values: jax.Array, d_decoded: jax.Array, centred: jax.Array,
+             w_dec: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(g [B, k]: the chosen pre-activations' gradient, W_dec's [L, d], W_enc's transposed [L, d], b_enc's [L]):
+    cpu_kernels.cc says how."""
+    (rows, k), (latents, d) = indices.shape, w_dec.shape
+    out = (jax.ShapeDtypeStruct((rows, k), jnp.float32), jax.ShapeDtypeStruct((latents, d), jnp.float32),
+           jax.ShapeDtypeStruct((latents, d), jnp.float32), jax.ShapeDtypeStruct((latents,), jnp.float32))
+    return _call("backward", out)(indices, values, d_values, d_decoded, centred, w_dec)
 
 
 def gather_sum(table: jax.Array, indices: jax.Array, weights: jax.Array) -> jax.Array:
@@ -146,14 +143,13 @@ def _reconstruct_fwd(x, b_dec, w_enc, b_enc, w_dec, k):
 
 
 def _reconstruct_bwd(k, saved, cotangents):
-    """Only the k chosen latents of a row carry a gradient: k decoder rows' dot products, then one scatter of
-    both matrices' k chosen rows (B k d work, no [B, L] matmul). b_dec's gradient through x - b_dec is
+    """Only the k chosen latents of a row carry a gradient: one pass over the B x k chosen pairs takes their
+    decoder rows' dot products and adds both matrices' rows (B k d work, no [B, L] matmul). b_dec's gradient through x - b_dec is
     -W_enc @ (the encoder bias's), a matvec: x's own (k rows of W_enc.T a token, which XLA:CPU gathers from the
     transpose in place, strided) is computed only where something asks for it."""
     x, b_dec, w_enc, w_dec, values, indices = saved
     d_decoded, d_values, _ = cotangents
-    g = jnp.where(values > 0, gather_dot(w_dec, indices, d_decoded) + d_values, 0.0)
-    d_dec, d_rows_enc, d_bias = scatter(indices, values, d_decoded, g, x - b_dec, w_dec.shape[0])
+    g, d_dec, d_rows_enc, d_bias = backward(indices, values, d_values, d_decoded, x - b_dec, w_dec)
     return gather_sum(w_enc.T, indices, g), -(w_enc @ d_bias), d_rows_enc.T, d_bias, d_dec
 
 
