@@ -225,17 +225,17 @@ def infer(params: dict, x: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Array]
 
 
 def loss(params: dict, x: jax.Array, spec: Spec, dead: jax.Array, mesh: Mesh | None = None,
-         kernels: bool = False) -> tuple[jax.Array, dict]:
+         kernels: Mesh | None = None) -> tuple[jax.Array, dict]:
     """(the loss to minimize, metrics: fvu, l0, aux_loss, and for batchtopk the batch's smallest firing value).
     `mesh`: the latents are split over its `model` axis (the dense masked formulation). `kernels`: topk's sparse
-    step through sae/cpu_kernels (float32 on one CPU device)."""
+    step through sae/cpu_kernels, x's rows over this mesh's data axes (cpu_kernels.usable)."""
     variance = total_variance(x)
     aux = jnp.zeros((), jnp.float32)
     extra = {}
     if spec.architecture in SPARSE and mesh is None:
-        if kernels:
-            decoded, values, indices = cpu_kernels.reconstruct(x, params["b_dec"], params["W_enc"],
-                                                               params["b_enc"], params["W_dec"], spec.k)
+        if kernels is not None:
+            decoded, values, indices = cpu_kernels.reconstruct_rows(kernels, x, params["b_dec"], params["W_enc"],
+                                                                    params["b_enc"], params["W_dec"], spec.k)
             out = decoded + params["b_dec"]
             pre = jax.lax.stop_gradient(jax.nn.relu(pre_activations(params, x)))  # for AuxK alone (else unused)
         else:

@@ -90,10 +90,10 @@ def make_step(specs: dict[str, M.Spec], optimizers: dict, shardings: dict, mesh:
               scales: dict[str, float], compute_dtype: str):
     """jitted (state, {tensor: [B, d] rows}) -> (state, metrics); the state is donated. `scales` multiply
     the rows first (normalize: run-stats). With latents over `model` (> 1), the masked dense formulation
-    with the two-stage top-k (sae/topk.py); else topk's sparse one, through sae/cpu_kernels on one CPU device."""
+    with the two-stage top-k (sae/topk.py); else topk's sparse one, through sae/cpu_kernels on CPUs."""
     sharded = mesh if mesh.shape["model"] > 1 else None
     dtype = jnp.dtype(compute_dtype)
-    kernels = cpu_kernels.usable(list(mesh.devices.flat), dtype)
+    kernels = mesh if cpu_kernels.usable(mesh, dtype) else None
 
     def one(name: str, spec: M.Spec, state: dict, x: jax.Array):
         params, idle = state["params"][name], state["idle"][name]
