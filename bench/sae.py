@@ -15,6 +15,7 @@ each a separately jitted function timed alone. Parts fused in one step can cost 
 
 Run:  .venv/bin/python bench/sae.py               # 256 wide, 4096 latents, 2 rounds: ~5 minutes on 2 CPU cores
       .venv/bin/python bench/sae.py --parts-only  # the per-part table alone: ~1 minute
+      .venv/bin/python bench/sae.py --parts none --scaling --parts-only  # the scaling rows alone: ~2 minutes
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
     import optax
 
     from harvest.runtime.mesh import make_mesh
+    from harvest.sae import cpu_kernels
     from harvest.sae import data as D
     from harvest.sae import model as M
     from harvest.sae.step import init_state, make_optimizer, make_step, state_shardings
@@ -96,18 +98,31 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
     x = batches[0][TENSOR]
     params = jax.jit(lambda x: M.init_params(jax.random.key(0), spec, jnp.mean(x, 0)))(x)
     dead = jnp.zeros(latents, bool)
-    pre = jax.jit(lambda p, x: jax.nn.relu(M.pre_activations(p, x)))(params, x)
-    values, indices = jax.jit(lambda a: jax.lax.top_k(a, k))(pre)
-    out = {"encode ([B, d] @ [d, L], ReLU)": best_ms(jax.jit(lambda p, x: jax.nn.relu(M.pre_activations(p, x))),
-                                                      params, x, reps=reps),
-           "top-k (lax.top_k)": best_ms(jax.jit(lambda a: jax.lax.top_k(a, k)), pre, reps=reps),
-           "decode (k rows gathered)": best_ms(jax.jit(M.decode_sparse), params, values, indices, reps=reps),
-           "forward and loss": best_ms(jax.jit(lambda p, x: M.loss(p, x, spec, dead)), params, x, reps=reps),
-           "forward and backward": best_ms(jax.jit(jax.value_and_grad(lambda p, x: M.loss(p, x, spec, dead),
-                                                                     has_aux=True)), params, x, reps=reps)}
+    kernels = mesh if cpu_kernels.usable(mesh, "float32") else None
+    centred = x - params["b_dec"]
+    pre = jax.jit(lambda c, w: c @ w)(centred, params["W_enc"])
+    if kernels is not None:
+        top_k = jax.jit(lambda a, b: cpu_kernels.top_k_relu(a, b, k))
+        values, indices = top_k(pre, params["b_enc"])
+        out = {"encode ([B, d] @ [d, L])": best_ms(jax.jit(lambda c, w: c @ w), centred, params["W_enc"], reps=reps),
+               "top-k (kernel, ReLU + bias in it)": best_ms(top_k, pre, params["b_enc"], reps=reps),
+               "encode + top-k (in blocks of rows)": best_ms(jax.jit(lambda c, p: cpu_kernels.encode_blocks(
+                   c, p["W_enc"], p["b_enc"], k)), centred, params, reps=reps),
+               "decode (k rows gathered and added)": best_ms(jax.jit(cpu_kernels.gather_sum), params["W_dec"],
+                                                             indices, values, reps=reps)}
+    else:
+        top_k = jax.jit(lambda a, b: jax.lax.top_k(jax.nn.relu(a + b), k))
+        values, indices = top_k(pre, params["b_enc"])
+        out = {"encode ([B, d] @ [d, L])": best_ms(jax.jit(lambda c, w: c @ w), centred, params["W_enc"], reps=reps),
+               "top-k (lax.top_k, ReLU + bias)": best_ms(top_k, pre, params["b_enc"], reps=reps),
+               "decode (k rows gathered)": best_ms(jax.jit(M.decode_sparse), params, values, indices, reps=reps)}
+    out["forward and loss"] = best_ms(jax.jit(lambda p, x: M.loss(p, x, spec, dead, None, kernels)), params, x,
+                                      reps=reps)
+    out["forward and backward"] = best_ms(jax.jit(jax.value_and_grad(
+        lambda p, x: M.loss(p, x, spec, dead, None, kernels), has_aux=True)), params, x, reps=reps)
     out["backward"] = out["forward and backward"] - out["forward and loss"]
     optimizer = make_optimizer(lr, 2, 10**6, "linear")
-    grads = jax.jit(jax.grad(lambda p, x: M.loss(p, x, spec, dead)[0]))(params, x)
+    grads = jax.jit(jax.grad(lambda p, x: M.loss(p, x, spec, dead, None, kernels)[0]))(params, x)
     out["optimizer (Adam, unit decoder rows)"] = best_ms(jax.jit(
         lambda g, s, p: M.unit_rows(optax.apply_updates(p, optimizer.update(g, s, p)[0])["W_dec"])),
         grads, optimizer.init(params), params, reps=reps)
@@ -135,6 +150,67 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
     return out
 
 
+def scaling_one(devices: int, axis: str, width: int, latents: int, k: int, batch: int, reps: int) -> dict:
+    """ms of the whole step (sae/step.make_step) on `devices` CPU devices, the batch over `data` or the latents over
+    `model`, and of its top-k alone: the kernel's on each device's rows, or sae/topk's two stages over the latents."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from harvest.runtime.mesh import make_mesh
+    from harvest.sae import cpu_kernels
+    from harvest.sae import model as M
+    from harvest.sae.step import batch_sharding, init_state, make_optimizer, make_step, state_shardings
+    from harvest.sae.topk import DATA_AXES, top_k
+
+    mesh = make_mesh(f"{axis}={devices}")
+    spec = M.Spec("topk", width, latents, k, width // 2)
+    rng = np.random.default_rng(0)
+    x = jax.device_put(rng.standard_normal((batch, width)).astype(np.float32), batch_sharding(mesh))
+    params = jax.jit(lambda x: M.init_params(jax.random.key(0), spec, jnp.mean(x, 0)))(x)
+    optimizers = {TENSOR: make_optimizer(1e-3, 2, 10**6, "linear")}
+    shardings = state_shardings({TENSOR: spec}, optimizers, mesh, {TENSOR: jax.eval_shape(lambda: params)})
+    step = make_step({TENSOR: spec}, optimizers, shardings, mesh, dead_tokens=10**7, scales={TENSOR: 1.0},
+                     compute_dtype="float32")
+    state = [init_state({TENSOR: params}, optimizers, {TENSOR: spec}, shardings)]
+
+    def one(b):
+        state[0], metrics = step(state[0], b)
+        return state[0], metrics
+
+    pre = jax.device_put(rng.random((batch, latents), np.float32),
+                         NamedSharding(mesh, PartitionSpec(DATA_AXES, "model" if axis == "model" else None)))
+    if axis == "data" and cpu_kernels.usable(mesh, "float32"):
+        rows = PartitionSpec(DATA_AXES)
+        select = jax.jit(jax.shard_map(lambda a: cpu_kernels.top_k_relu(a, jnp.zeros(latents), k), mesh=mesh,
+                                       in_specs=rows, out_specs=(rows, rows), check_vma=False))
+    else:
+        select = jax.jit(lambda a: top_k(a, k, mesh))
+    return {"step_ms": best_ms(one, {TENSOR: x}, reps=reps), "top_k_ms": best_ms(select, pre, reps=reps)}
+
+
+def scaling(width: int, latents: int, k: int, batch: int, reps: int) -> None:
+    """The scaling rows: scaling_one in a process of its own for each device count and axis."""
+    import subprocess
+
+    print(f"\nThe same TopK step on 1-8 CPU devices ({os.cpu_count()} cores), {width} wide, {latents} latents, k {k}, "
+          f"batch {batch}; best of {reps}")
+    print(f"{'devices':>8}{'mesh':>10}{'ms/step':>10}{'tokens/s':>11}{'per device':>12}{'top-k ms':>10}")
+    for devices in (1, 2, 4, 8):
+        for axis in ("data", "model") if devices > 1 else ("data",):
+            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            done = subprocess.run([sys.executable, __file__, "--scaling-one", f"{axis}={devices}", "--width",
+                                   str(width), "--expansion", str(latents // width), "--k", str(k), "--batch",
+                                   str(batch), "--parts-reps", str(reps)], env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(done.stderr[-3000:])
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rate = batch / row["step_ms"] * 1e3
+            print(f"{devices:>8}{f'{axis}={devices}':>10}{row['step_ms']:>10.1f}{rate:>11,.0f}{rate / devices:>12,.0f}"
+                  f"{row['top_k_ms']:>10.1f}")
+    print(f"load average: {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--width", type=int, default=256)
@@ -149,7 +225,15 @@ def main() -> None:
                              "at the bench's alone, or none")
     parser.add_argument("--parts-reps", type=int, default=3, help="timed calls per part (best of them)")
     parser.add_argument("--parts-only", action="store_true", help="the per-part table alone, no trainers compared")
+    parser.add_argument("--scaling", action="store_true", help="then the scaling rows: the step on 1, 2, 4 and 8 "
+                        "CPU devices, the batch over data or the latents over model (~2 minutes)")
+    parser.add_argument("--scaling-one", help=argparse.SUPPRESS)  # AXIS=N: one scaling row, in its own process
     args = parser.parse_args()
+    if args.scaling_one:
+        axis, devices = args.scaling_one.split("=")
+        print(json.dumps(scaling_one(int(devices), axis, args.width, args.width * args.expansion, args.k, args.batch,
+                                     args.parts_reps)))
+        return
     root = Path(tempfile.mkdtemp(prefix="bench-sae-"))
     if args.parts != "none":
         shapes = [(args.width, args.expansion, args.k)] + ([REAL] if args.parts == "both" else [])
@@ -164,6 +248,8 @@ def main() -> None:
         print(f"{'part':<40}" + "".join(f"{f'{w} wide, {w * e} latents, k {k}':>32}" for w, e, k in table))
         for name in next(iter(table.values())):
             print(f"{name:<40}" + "".join(f"{t[name]:>32.1f}" for t in table.values()))
+    if args.scaling:
+        scaling(args.width, args.width * args.expansion, args.k, args.batch, args.parts_reps)
     if args.parts_only:
         return
 

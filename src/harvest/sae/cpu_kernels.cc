@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -19,29 +20,39 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Runs fn(lo, hi) over [0, n) in chunks of `grain`, taken in turn by this thread and the pool's (as many as it
-// has), and waits for all: uneven chunks even out.
+// Runs fn(lo, hi) over [0, n) in chunks of `grain`, taken in turn by this thread and by the pool's threads (as
+// many as it has) that start while chunks are left. It waits only for helpers that took a chunk, never for a task
+// still queued: XLA may call this from its pool's own threads (two devices at once), so waiting for a queued task
+// could wait for itself. A helper that starts late finds no chunk and touches only the shared counters it owns.
 template <typename F>
 void parallel(ffi::ThreadPool& pool, int64_t n, int64_t grain, F fn) {
-  const int64_t chunks = (n + grain - 1) / grain;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
-  std::atomic<int64_t> next{0};
-  auto work = [&] {
-    for (int64_t c; (c = next.fetch_add(1)) < chunks;) fn(c * grain, std::min(n, (c + 1) * grain));
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    int64_t busy = 0;
+    std::mutex mu;
+    std::condition_variable idle;
   };
-  std::mutex mu;
-  std::condition_variable done;
-  int64_t left = helpers;
+  auto shared = std::make_shared<Shared>();
+  const int64_t chunks = (n + grain - 1) / grain;
+  auto take = [chunks, n, grain](Shared& s, F& f) {
+    for (int64_t c; (c = s.next.fetch_add(1)) < chunks;) f(c * grain, std::min(n, (c + 1) * grain));
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
   for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([&] {
-      work();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--left == 0) done.notify_one();
+    pool.Schedule([shared, &fn, take, chunks] {
+      {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        if (shared->next.load() >= chunks) return;  // late: every chunk is taken, and fn may be gone
+        ++shared->busy;
+      }
+      take(*shared, fn);
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (--shared->busy == 0) shared->idle.notify_all();
     });
   }
-  work();
-  std::unique_lock<std::mutex> lock(mu);
-  done.wait(lock, [&] { return left == 0; });
+  take(*shared, fn);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->idle.wait(lock, [&] { return shared->busy == 0; });
 }
 
 // A candidate as one integer that sorts as lax.top_k orders: a value >= 0's bits sort as the value, and the
