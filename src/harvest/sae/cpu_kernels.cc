@@ -121,7 +121,8 @@ ffi::Error TopKImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> pre, ffi::Buffer
                     ffi::ResultBuffer<ffi::F32> values, ffi::ResultBuffer<ffi::S32> indices) {
   auto dims = pre.dimensions();
   const int64_t rows = dims[0], n = dims[1], k = values->dimensions()[1];
-  if (k > n) return ffi::Error::InvalidArgument("k exceeds the row");
+  if (k > n || static_cast<int64_t>(bias.element_count()) != n || values->dimensions()[0] != rows)
+    return ffi::Error::InvalidArgument("top-k: shapes do not agree (k at most the row, a bias per column)");
   const float* p = pre.typed_data();
   const float* b = bias.typed_data();
   float* v = values->typed_data();
@@ -152,6 +153,10 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indices, ffi
                         ffi::ResultBuffer<ffi::F32> d_b_enc) {
   const int64_t b = indices.dimensions()[0], k = indices.dimensions()[1], d = centred.dimensions()[1];
   const int64_t n = w_dec.dimensions()[0], pairs = b * k;
+  const auto count = [](auto& buffer) { return static_cast<int64_t>(buffer.element_count()); };
+  if (count(values) != pairs || count(d_values) != pairs || w_dec.dimensions()[1] != d ||
+      d_decoded.dimensions()[0] != b || d_decoded.dimensions()[1] != d || centred.dimensions()[0] != b)
+    return ffi::Error::InvalidArgument("backward: shapes do not agree");
   const int32_t* ix = indices.typed_data();
   for (int64_t p = 0; p < pairs; ++p)
     if (ix[p] < 0 || ix[p] >= n) return ffi::Error::InvalidArgument("a latent index is outside the SAE");

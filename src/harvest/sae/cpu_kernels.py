@@ -168,9 +168,9 @@ def _reconstruct_fwd(x, b_dec, w_enc, b_enc, w_dec, k):
 
 def _reconstruct_bwd(k, saved, cotangents):
     """Only the k chosen latents of a row carry a gradient: one pass over the B x k chosen pairs takes their
-    decoder rows' dot products and adds both matrices' rows (B k d work, no [B, L] matmul). b_dec's gradient through x - b_dec is
-    -W_enc @ (the encoder bias's), a matvec: x's own (k rows of W_enc.T a token, which XLA:CPU gathers from the
-    transpose in place, strided) is computed only where something asks for it."""
+    decoder rows' dot products and adds both matrices' rows (B k d work, no [B, L] matmul). b_dec's gradient
+    through x - b_dec is -W_enc @ (the encoder bias's), a matvec: x's own (k rows of W_enc.T a token, which
+    XLA:CPU gathers from the transpose in place, strided) is computed only where something asks for it."""
     x, b_dec, w_enc, w_dec, values, indices = saved
     d_decoded, d_values, _ = cotangents
     g, d_dec, d_rows_enc, d_bias = backward(indices, values, d_values, d_decoded, x - b_dec, w_dec)
