@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import shlex
 import subprocess
+import zipfile
 
 import pytest
 from fleet_helpers import FOUR_REGIONS, RecordedJobs, edit_fleet, load_tasks, run_as_host, skypilot_or_skip, write_fleet
@@ -26,6 +27,8 @@ def test_emitted_tasks_load_in_skypilot(users_fleet, tmp_path, capsys):
     plan = make_plan(load_fleet(users_fleet))
     tasks = load_tasks([tmp_path / f"{w.job_name}.yaml" for w in plan.workers])
     (wheel,) = tmp_path.glob("harvest_activations-*-py3-none-any.whl")  # the checkout, carried by every task
+    with zipfile.ZipFile(wheel) as packed:  # with the files the code reads beside itself
+        assert {"harvest/sae/cpu_kernels.cc", "harvest/sae/features/web/app.js"} <= set(packed.namelist())
     parser = build_parser()
     for w, task in zip(plan.workers, tasks, strict=True):
         assert task["name"] == w.job_name == f"arc-qwen05.{w.group.name}.{w.index}"
