@@ -76,6 +76,25 @@ def best_ms(fn, *args, reps: int) -> float:
     return 1e3 * min(times)
 
 
+def stepper(spec, params: dict, optimizer, mesh):
+    """{TENSOR: rows} -> (state, metrics): sae/step.make_step on `mesh`, its state (donated) kept between calls."""
+    import jax
+
+    from harvest.sae.step import init_state, make_step, state_shardings
+
+    optimizers = {TENSOR: optimizer}
+    shardings = state_shardings({TENSOR: spec}, optimizers, mesh, {TENSOR: jax.eval_shape(lambda: params)})
+    step = make_step({TENSOR: spec}, optimizers, shardings, mesh, dead_tokens=10**7, scales={TENSOR: 1.0},
+                     compute_dtype="float32")
+    state = [init_state({TENSOR: params}, optimizers, {TENSOR: spec}, shardings)]
+
+    def one(batch):
+        state[0], metrics = step(state[0], batch)
+        return state[0], metrics
+
+    return one
+
+
 def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, reps: int) -> dict[str, float]:
     """ms of each part of a TopK training step on the run at `url`: each part a jitted function timed alone (best of
     `reps`), then the whole step (sae/step.make_step, state donated), the metrics' copy to the host, and the reader's
@@ -88,7 +107,7 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
     from harvest.sae import cpu_kernels
     from harvest.sae import data as D
     from harvest.sae import model as M
-    from harvest.sae.step import init_state, make_optimizer, make_step, state_shardings
+    from harvest.sae.step import make_optimizer
 
     spec = M.Spec("topk", width, latents, k, width // 2)
     mesh = make_mesh("1d")
@@ -125,6 +144,7 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
                                                                    jnp.ones((), jnp.float32), reps=reps)
     optimizer = make_optimizer(lr, 2, 10**6, "linear")
     grads = jax.jit(jax.grad(lambda p, x: M.loss(p, x, spec, dead, None, kernels)[0]))(params, x)
+
     def update(g, s, p):
         updates, s = optimizer.update(g, s, p)
         p = optax.apply_updates(p, updates)
@@ -132,16 +152,7 @@ def parts(url: str, width: int, latents: int, k: int, batch: int, lr: float, rep
 
     out["optimizer (Adam, unit decoder rows)"] = best_ms(jax.jit(update), grads, optimizer.init(params), params,
                                                          reps=reps)
-    optimizers = {TENSOR: optimizer}
-    shardings = state_shardings({TENSOR: spec}, optimizers, mesh, {TENSOR: jax.eval_shape(lambda: params)})
-    step = make_step({TENSOR: spec}, optimizers, shardings, mesh, dead_tokens=10**7, scales={TENSOR: 1.0},
-                     compute_dtype="float32")
-    state = [init_state({TENSOR: params}, optimizers, {TENSOR: spec}, shardings)]
-
-    def one(b):
-        state[0], metrics = step(state[0], b)
-        return state[0], metrics
-
+    one = stepper(spec, params, optimizer, mesh)
     out["whole step (sae/step.make_step)"] = best_ms(one, batches[1], reps=reps)
     reader_ms = []
     for _ in range(reps):  # last: the reader's threads read ahead after each batch, and would slow the parts timed
@@ -166,7 +177,7 @@ def scaling_one(devices: int, axis: str, width: int, latents: int, k: int, batch
     from harvest.runtime.mesh import make_mesh
     from harvest.sae import cpu_kernels
     from harvest.sae import model as M
-    from harvest.sae.step import batch_sharding, init_state, make_optimizer, make_step, state_shardings
+    from harvest.sae.step import batch_sharding, make_optimizer
     from harvest.sae.topk import DATA_AXES, top_k
 
     mesh = make_mesh(f"{axis}={devices}")
@@ -174,15 +185,7 @@ def scaling_one(devices: int, axis: str, width: int, latents: int, k: int, batch
     rng = np.random.default_rng(0)
     x = jax.device_put(rng.standard_normal((batch, width)).astype(np.float32), batch_sharding(mesh))
     params = jax.jit(lambda x: M.init_params(jax.random.key(0), spec, jnp.mean(x, 0)))(x)
-    optimizers = {TENSOR: make_optimizer(1e-3, 2, 10**6, "linear")}
-    shardings = state_shardings({TENSOR: spec}, optimizers, mesh, {TENSOR: jax.eval_shape(lambda: params)})
-    step = make_step({TENSOR: spec}, optimizers, shardings, mesh, dead_tokens=10**7, scales={TENSOR: 1.0},
-                     compute_dtype="float32")
-    state = [init_state({TENSOR: params}, optimizers, {TENSOR: spec}, shardings)]
-
-    def one(b):
-        state[0], metrics = step(state[0], b)
-        return state[0], metrics
+    one = stepper(spec, params, make_optimizer(1e-3, 2, 10**6, "linear"), mesh)
 
     pre = jax.device_put(rng.random((batch, latents), np.float32),
                          NamedSharding(mesh, PartitionSpec(DATA_AXES, "model" if axis == "model" else None)))
@@ -251,9 +254,9 @@ def main() -> None:
                                                  args.parts_reps)
         print(f"\nms per TopK step, batch {args.batch} tokens, each part jitted and timed alone (best of "
               f"{args.parts_reps}); CPU, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-        print(f"{'part':<40}" + "".join(f"{f'{w} wide, {w * e} latents, k {k}':>32}" for w, e, k in table))
+        print(f"{'part':<54}" + "".join(f"{f'{w} wide, {w * e} latents, k {k}':>32}" for w, e, k in table))
         for name in next(iter(table.values())):
-            print(f"{name:<40}" + "".join(f"{t[name]:>32.1f}" for t in table.values()))
+            print(f"{name:<54}" + "".join(f"{t[name]:>32.1f}" for t in table.values()))
     if args.scaling:
         scaling(args.width, args.width * args.expansion, args.k, args.batch, args.parts_reps)
     if args.parts_only:
