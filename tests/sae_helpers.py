@@ -36,3 +36,26 @@ def train_args(source: dict, out: str, **more) -> list[str]:
     """`harvest sae train` on the source run, STEPS steps of BASE, `more` settings on top."""
     return ["sae", "train", "--run", source["run"], "--out", out,
             *flags({**BASE, "tokens": 64 * STEPS, **more})]
+
+
+def against_sparsify(source: dict, out: str, steps: int) -> dict[str, float]:
+    """The TopK SAE at `out` (trained on BASE's settings for `steps` steps, AuxK off) and sparsify's trainer on the
+    same rows in the same order: each one's FVU and dead latents (never firing) on all the run's tokens."""
+    import numpy as np
+    from sae_reference import sparsify_fvu_and_dead, train_sparsify
+
+    from harvest.read.run import open_run
+    from harvest.sae import model as M
+    from harvest.sae.export import load_sae_run, spec_of
+
+    run = open_run(source["run"])
+    everything = np.concatenate([b[TENSOR] for b in run.token_batches(4096, [TENSOR], dtype="float32")])
+    ordered = np.concatenate([b[TENSOR] for _, b in zip(range(steps), run.token_batches(
+        BASE["batch_tokens"], [TENSOR], dtype="float32", seed=0, epochs=None, drop_last=True))])
+    coder = train_sparsify(ordered, latents=BASE["expansion"] * run.tensors[TENSOR], k=BASE["k"],
+                           batch=BASE["batch_tokens"], lr=BASE["lr"], warmup=BASE["warmup"])
+    theirs_fvu, theirs_dead = sparsify_fvu_and_dead(coder, everything)
+    info, _, params = load_sae_run(out)
+    latents, recon = (np.asarray(a) for a in M.infer(params[TENSOR], everything, spec_of(info["saes"][TENSOR])))
+    return {"ours_fvu": float(np.sum((everything - recon) ** 2) / np.sum((everything - everything.mean(0)) ** 2)),
+            "ours_dead": int(np.sum(~(latents > 0).any(0))), "theirs_fvu": theirs_fvu, "theirs_dead": theirs_dead}

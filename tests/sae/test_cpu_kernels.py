@@ -4,16 +4,15 @@ compiler the step falls back to XLA's, with one warning."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from extract_helpers import run_harvest
-from sae_helpers import TENSOR, train_args
+from sae_helpers import against_sparsify, train_args
+from training_helpers import metrics
 
 from harvest.sae import cpu_kernels as K
 from harvest.sae import model as M
@@ -87,33 +86,16 @@ def one_device_env(source: dict, **more) -> dict:
     return {**source["env"], "XLA_FLAGS": ONE_DEVICE, **more}
 
 
-def final_fvu(out: str) -> float:
-    return json.loads(Path(out, "metrics.jsonl").read_text().splitlines()[-1])["fvu"]
-
-
 def test_a_run_through_the_kernels_reaches_sparsifys_fvu(sae_source, tmp_path):
     """`harvest sae train` on one CPU device (the kernels' path) and sparsify's trainer, the same rows in the same
     order (test_sae_references' settings): harvest's FVU on all the run's tokens is within 2% of sparsify's."""
-    from sae_reference import sparsify_fvu_and_dead, train_sparsify
-
-    from harvest.read.run import open_run
-    from harvest.sae.export import load_sae_run, spec_of
-
     steps = 40
     out = str(tmp_path / "kernels")
     done = run_harvest(*train_args(sae_source, out, holdout_streams=0, tokens=64 * steps, checkpoint_every=100,
                                    log_every=10), env=one_device_env(sae_source))
     assert done.returncode == 0, done.stderr[-3000:]
-    run = open_run(sae_source["run"])
-    everything = np.concatenate([b[TENSOR] for b in run.token_batches(4096, [TENSOR], dtype="float32")])
-    ordered = np.concatenate([b[TENSOR] for _, b in zip(range(steps), run.token_batches(
-        64, [TENSOR], dtype="float32", seed=0, epochs=None, drop_last=True))])
-    coder = train_sparsify(ordered, latents=256, k=8, batch=64, lr=3e-3, warmup=2)
-    theirs, _ = sparsify_fvu_and_dead(coder, everything)
-    info, _, params = load_sae_run(out)
-    recon = np.asarray(M.infer(params[TENSOR], everything, spec_of(info["saes"][TENSOR]))[1])
-    ours = float(np.sum((everything - recon) ** 2) / np.sum((everything - everything.mean(0)) ** 2))
-    assert ours <= theirs * 1.02, (ours, theirs)
+    found = against_sparsify(sae_source, out, steps)
+    assert found["ours_fvu"] <= found["theirs_fvu"] * 1.02, found
 
 
 def test_a_run_through_the_kernels_resumes_bit_for_bit(sae_source, tmp_path):
@@ -143,4 +125,4 @@ def test_without_a_compiler_the_step_keeps_xlas_formulation(sae_source, tmp_path
         warned = [line for line in done.stderr.splitlines() if "did not build" in line]
         assert len(warned) == (name == "xla"), done.stderr[-3000:]
     assert not os.listdir(tmp_path / "cache" / "kernels")  # nothing half-built left behind
-    assert final_fvu(outs["xla"]) == pytest.approx(final_fvu(outs["kernels"]), rel=1e-3)
+    assert metrics(outs["xla"])[-1]["fvu"] == pytest.approx(metrics(outs["kernels"])[-1]["fvu"], rel=1e-3)

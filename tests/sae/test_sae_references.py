@@ -4,37 +4,24 @@ sparsify's FVU, a ReLU + L1 SAE SAELens's, with no more dead latents."""
 from __future__ import annotations
 
 import numpy as np
-from sae_helpers import BASE, TENSOR
+from sae_helpers import BASE, TENSOR, against_sparsify
 
 
 def test_topk_reaches_sparsifys_fvu_on_the_same_activations(sae_source, tmp_path):
     """Same rows in the same order, 256 latents, k 8, batch 64, Adam (lr 3e-3, warmup 2, linear to 0), AuxK
     off, 40 steps: harvest's final FVU on all the run's tokens is within 2% of sparsify's, with no more dead
     latents (never firing on those tokens)."""
-    from sae_reference import sparsify_fvu_and_dead, train_sparsify
-
-    from harvest.read.run import open_run
-    from harvest.sae import model as M
     from harvest.sae.config import SaeConfig
-    from harvest.sae.export import load_sae_run, spec_of
     from harvest.training.run import train as run_sae_train
 
     steps = 40
     out = str(tmp_path / "harvest")
     settings = {**BASE, "holdout_streams": 0, "tokens": 64 * steps, "checkpoint_every": 100, "log_every": 10}
     run_sae_train(SaeConfig(run=sae_source["run"], out=out, mesh="data=1,model=8", **settings).validate())
-    run = open_run(sae_source["run"])
-    everything = np.concatenate([b[TENSOR] for b in run.token_batches(4096, [TENSOR], dtype="float32")])
-    ordered = np.concatenate([b[TENSOR] for _, b in zip(range(steps), run.token_batches(
-        64, [TENSOR], dtype="float32", seed=0, epochs=None, drop_last=True))])
-    coder = train_sparsify(ordered, latents=256, k=8, batch=64, lr=3e-3, warmup=2)
-    theirs_fvu, theirs_dead = sparsify_fvu_and_dead(coder, everything)
-    info, _, params = load_sae_run(out)
-    latents, recon = (np.asarray(a) for a in M.infer(params[TENSOR], everything, spec_of(info["saes"][TENSOR])))
-    ours_fvu = float(np.sum((everything - recon) ** 2) / np.sum((everything - everything.mean(0)) ** 2))
-    ours_dead = int(np.sum(~(latents > 0).any(0)))
-    print(f"FVU harvest {ours_fvu:.4f} sparsify {theirs_fvu:.4f}; dead latents {ours_dead} vs {theirs_dead}")
-    assert ours_fvu <= theirs_fvu * 1.02 and ours_dead <= theirs_dead, (ours_fvu, theirs_fvu, ours_dead, theirs_dead)
+    found = against_sparsify(sae_source, out, steps)
+    print("FVU harvest {ours_fvu:.4f} sparsify {theirs_fvu:.4f}; dead latents {ours_dead} vs {theirs_dead}"
+          .format(**found))
+    assert found["ours_fvu"] <= found["theirs_fvu"] * 1.02 and found["ours_dead"] <= found["theirs_dead"], found
 
 
 def test_relu_reaches_saelens_fvu_on_the_same_activations(sae_source, tmp_path):
