@@ -33,7 +33,8 @@ class FlakyProxy:
     `outage(seconds)` resets every open connection at once and refuses new ones (the port is closed:
     connection refused) for `seconds`, then serves again on the same port; `outage_after(nbytes, seconds)`
     does so once `nbytes` more went up. `cut()` resets open
-    connections only. `lose_replies(seconds)` lets requests through and drops their replies.
+    connections only. `lose_replies(seconds)` lets requests through and drops their replies;
+    `lose_next_replies(n)` drops the next `n` replies, however long their requests take to come.
     `connections` counts the connections proxied, `outages` the outages started,
     `bytes_up` the bytes passed on to the server, `bytes_down` (exact) those passed back to the client.
     """
@@ -49,6 +50,7 @@ class FlakyProxy:
         self.bytes_up = 0
         self.bytes_down = 0
         self._replies_lost_until = 0.0
+        self._replies_to_lose = 0
         self._outage_at: tuple[int, float] | None = None  # (bytes_up, seconds): see outage_after
         self._listener: socket.socket | None = self._listen(0)
         self.port = self._listener.getsockname()[1]
@@ -118,9 +120,8 @@ class FlakyProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if (not up and time.monotonic() < self._replies_lost_until
-                        and not data.startswith(b"HTTP/1.1 100 ")):  # the server acted; its reply dies
-                    _abort(dst)
+                if not up and not data.startswith(b"HTTP/1.1 100 ") and self._loses_reply():
+                    _abort(dst)  # the server acted; its reply dies
                     _abort(src)
                     break
                 dst.sendall(data)
@@ -151,6 +152,21 @@ class FlakyProxy:
         """For `seconds`, requests still reach the server but each reply is dropped and its connection reset:
         the client cannot tell whether its request took effect."""
         self._replies_lost_until = time.monotonic() + seconds
+
+    def lose_next_replies(self, n: int) -> None:
+        """The next `n` replies are dropped (their connections reset), as `lose_replies` drops them for a time."""
+        with self._lock:
+            self._replies_to_lose = n
+
+    def _loses_reply(self) -> bool:
+        """Whether the reply starting now dies (a chunk that starts one: a request's reply aborts its connection)."""
+        if time.monotonic() < self._replies_lost_until:
+            return True
+        with self._lock:
+            if self._replies_to_lose:
+                self._replies_to_lose -= 1
+                return True
+        return False
 
     def outage(self, seconds: float) -> None:
         """Reset all open connections now and refuse new ones for `seconds` (returns at once)."""

@@ -148,6 +148,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                 created_run = out.create_exclusive(fmt.RUN_JSON, run_info.to_bytes())
                 if not created_run:
                     check_run(out, run_info)  # another worker created it meanwhile: it must be the same run
+                out.remove_stale_temps(of=fmt.RUN_JSON)  # a create of it that a kill cut short
             # Loaded only now: a worker refused above (lease, run.json) spends nothing on the weights.
             decoder = clock.timed("weights", load_decoder, checkpoint, cfg.points, mesh, **decoding)
             slot_rows = cfg.batch_size * (data_slots(mesh) if one_slot else 1)

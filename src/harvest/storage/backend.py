@@ -91,8 +91,9 @@ class Backend:
         """Delete `path` and everything under it; what is missing is fine."""
         self.delete(self.find(path))
 
-    def remove_stale_temps(self, path: str) -> list[str]:
-        """Delete what writes cut short left directly under `path` (only local files leave anything)."""
+    def remove_stale_temps(self, path: str, of: str | None = None) -> list[str]:
+        """Delete what writes cut short left directly under `path` (only local files leave anything); `of`: see
+        Storage.remove_stale_temps."""
         return []
 
 

@@ -95,8 +95,20 @@ def s3_filesystem() -> Any:
 def _s3(endpoint: str | None, region: str | None) -> Any:
     try:
         import s3fs
+        from aiobotocore.httpsession import AIOHTTPSession
     except ImportError as e:
         raise StorageError(f"s3:// needs s3fs ({e}); {install_extra('s3')}") from None
+
+    class OneTryHTTPSession(AIOHTTPSession):
+        """aiohttp resends a PUT whose connection dropped before its reply (PUT is idempotent to HTTP). A
+        conditional PUT is not: its resend, when the first one landed, fails its own condition, and Storage
+        would take our create for another writer's. The resend is turned off here; Storage retries, and knows
+        the earlier try went unanswered."""
+
+        async def _get_session(self, proxy_url):
+            session = await super()._get_session(proxy_url)
+            session._retry_connection = False  # aiohttp has no public knob for it
+            return session
     client_kwargs: dict[str, Any] = {}
     if endpoint:  # botocore reads AWS_ENDPOINT_URL itself too; explicit here so the cache key is honest
         client_kwargs["endpoint_url"] = endpoint
@@ -112,7 +124,7 @@ def _s3(endpoint: str | None, region: str | None) -> Any:
         # a SHA-256 pass in the signature too. Over https botocore does so already; over http (an emulator, a
         # MinIO on a private network) that pass was the client's largest cost (bench/bucket.py).
         config_kwargs={"connect_timeout": 10, "read_timeout": 120, "max_pool_connections": 64,
-                       "s3": {"payload_signing_enabled": False},
+                       "s3": {"payload_signing_enabled": False}, "http_session_cls": OneTryHTTPSession,
                        "retries": {"total_max_attempts": 1, "mode": "standard"}},
     )
     fs.retries = 1  # s3fs's retry loop off, likewise

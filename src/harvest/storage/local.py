@@ -94,6 +94,10 @@ class LocalBackend(Backend):
             _write_synced(tmp, [data])  # complete and synced before its final name exists
             if not _link_if_absent(tmp, path) and not _rename_if_absent(tmp, path):
                 self._rename_under_lock(tmp, path)
+        except FileNotFoundError:
+            if os.path.lexists(path):  # our temp was cleared as stale: `path` exists (remove_stale_temps's `of`)
+                raise PreconditionFailed(path) from None
+            raise
         finally:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
@@ -164,11 +168,14 @@ class LocalBackend(Backend):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
-    def remove_stale_temps(self, path: str) -> list[str]:
+    def remove_stale_temps(self, path: str, of: str | None = None) -> list[str]:
         """This process's own writes in flight are spared."""
         ours = f"{TMP_MARK}{os.getpid()}-"
+        if of is not None and not os.path.lexists(os.path.join(path, of)):
+            return []
         try:
-            names = [n for n in os.listdir(path) if TMP_MARK in n and ours not in n]
+            names = [n for n in os.listdir(path) if TMP_MARK in n and ours not in n
+                     and (of is None or n.startswith(f".{of}{TMP_MARK}"))]
         except (FileNotFoundError, NotADirectoryError):
             return []
         for name in names:
