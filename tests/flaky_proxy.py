@@ -15,6 +15,7 @@ import time
 import pytest
 
 HOST = "127.0.0.1"
+_METHODS = {b"GET", b"HEAD", b"PUT", b"POST", b"DELETE", b"PATCH", b"OPTIONS"}  # a request's first chunk
 
 
 def _abort(sock: socket.socket) -> None:
@@ -34,7 +35,7 @@ class FlakyProxy:
     connection refused) for `seconds`, then serves again on the same port; `outage_after(nbytes, seconds)`
     does so once `nbytes` more went up. `cut()` resets open
     connections only. `lose_replies(seconds)` lets requests through and drops their replies;
-    `lose_next_replies(n)` drops the next `n` replies, however long their requests take to come.
+    `lose_next_replies(n)` drops the replies to the next `n` requests, however long they take to come.
     `connections` counts the connections proxied, `outages` the outages started,
     `bytes_up` the bytes passed on to the server, `bytes_down` (exact) those passed back to the client.
     """
@@ -102,9 +103,9 @@ class FlakyProxy:
                 return
             self._socks.update((client, upstream))
             self.connections += 1
-        done = threading.Semaphore(0)
-        threading.Thread(target=self._pump, args=(upstream, client, done), daemon=True).start()
-        self._pump(client, upstream, done, up=True)
+        done, doomed = threading.Semaphore(0), threading.Event()  # doomed: this connection's next reply dies
+        threading.Thread(target=self._pump, args=(upstream, client, done, doomed), daemon=True).start()
+        self._pump(client, upstream, done, doomed, up=True)
         done.acquire()
         done.acquire()
         with self._lock:
@@ -114,13 +115,17 @@ class FlakyProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, done: threading.Semaphore, up: bool = False) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, done: threading.Semaphore, doomed: threading.Event,
+              up: bool = False) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                if not up and not data.startswith(b"HTTP/1.1 100 ") and self._loses_reply():
+                if up and data.split(b" ", 1)[0] in _METHODS and self._loses_reply():
+                    doomed.set()  # before the request goes on: its reply cannot come first
+                if (not up and not data.startswith(b"HTTP/1.1 100 ")
+                        and (doomed.is_set() or time.monotonic() < self._replies_lost_until)):
                     _abort(dst)  # the server acted; its reply dies
                     _abort(src)
                     break
@@ -154,14 +159,13 @@ class FlakyProxy:
         self._replies_lost_until = time.monotonic() + seconds
 
     def lose_next_replies(self, n: int) -> None:
-        """The next `n` replies are dropped (their connections reset), as `lose_replies` drops them for a time."""
+        """The replies to the next `n` requests are dropped (their connections reset), as `lose_replies` drops
+        them for a time."""
         with self._lock:
             self._replies_to_lose = n
 
     def _loses_reply(self) -> bool:
-        """Whether the reply starting now dies (a chunk that starts one: a request's reply aborts its connection)."""
-        if time.monotonic() < self._replies_lost_until:
-            return True
+        """Whether the request starting now is one whose reply `lose_next_replies` drops."""
         with self._lock:
             if self._replies_to_lose:
                 self._replies_to_lose -= 1
