@@ -220,8 +220,9 @@ def test_a_writer_stopped_between_its_lease_check_and_its_commit_commits_nothing
         while not stopped(a):
             assert a.poll() is None and time.monotonic() < deadline, (setup.root / f"paused-a-{kind}.log").read_text()
             time.sleep(0.05)
-        a_object = [n for n in Storage(out).listdir("stream_00000") if n.startswith("shard_000001-")]
-        assert len(a_object) == 1  # A's data object of shard 1 is written; its commit is not
+        names = Storage(out).listdir("stream_00000")
+        a_object = [n for n in names if n.startswith("shard_000001-")]
+        assert len(a_object) == 1 and "shard_000001.json" not in names, names  # its data written, not committed
         # B, every stream, as on another VM: it cannot prove A alive, so it waits out A's TTL on stream 0.
         b = subprocess.run([*another_vm(), *harvest_cmd(*setup.args(out, "--worker-id", "b", "--lease-ttl", str(TTL)))],
                            env=env, capture_output=True, text=True, timeout=300)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 import uuid
 from typing import Callable
@@ -184,5 +185,6 @@ def _test_stop_before_commit(stream: int, shard: int) -> None:
         release, until = os.environ.get("HARVEST_TEST_RELEASE_COMMIT"), time.monotonic() + float(spec[2])
         while time.monotonic() < until and not (release and os.path.exists(release)):
             time.sleep(min(0.1, max(0.0, until - time.monotonic())))
-    else:
-        os.kill(os.getpid(), signal.SIGSTOP)
+    else:  # sent to this thread: the process stops before it returns. One sent to the process is taken by
+        # another thread, and this one may go on committing until that one is scheduled.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
