@@ -12,7 +12,7 @@ import time
 from shard_helpers import closed_shard
 
 from harvest.errors import FencedOut
-from harvest.storage import Storage
+from harvest.storage import PreconditionFailed, Storage
 from harvest.store import format as fmt
 from harvest.store.committer import Committer
 from harvest.store.listing import read_chain
@@ -67,3 +67,30 @@ def test_a_commit_whose_lease_is_lost_before_its_create_deletes_its_object(tmp_p
     else:
         raise AssertionError("the commit went ahead without its lease")
     assert data_objects(storage) == set() and read_chain(storage, 0) == []
+
+
+class _ResentCreates:
+    """A backend whose sidecar creates land and then answer "exists", as a transport that resent the request
+    unseen would make them answer."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def create(self, path: str, data: bytes) -> None:
+        self.inner.create(path, data)
+        raise PreconditionFailed(path)
+
+
+def test_a_commit_that_landed_though_the_store_said_exists_keeps_its_data_object(tmp_path):
+    plain = Storage(str(tmp_path / "run"))
+    storage = Storage(str(tmp_path / "run"), backend=_ResentCreates(plain.backend))
+    committer = Committer(storage, attempt="a" * 16)
+    for shard in range(3):
+        committer.submit(closed_shard(shard, final=shard == 2))
+    committer.close()
+    chain = read_chain(plain, 0)
+    assert [sidecar.shard for sidecar in chain] == [0, 1, 2] and chain[-1].final
+    assert data_objects(plain) == {sidecar.file for sidecar in chain}

@@ -124,7 +124,7 @@ def commit(storage: Storage, sidecar: Sidecar, data: bytes | list | None, guard:
         raise
     _test_stop_before_commit(sidecar.stream, sidecar.shard)
     if storage.create_exclusive(fmt.sidecar_path(sidecar.stream, sidecar.shard, sidecar.generation),
-                                sidecar.to_bytes()):
+                                sidecar.to_bytes()) or _names_this_object(storage, sidecar):
         return sidecar
     _delete_uncommitted(storage, sidecar)
     return _committed_by_other(storage, sidecar, guard)
@@ -155,6 +155,16 @@ def _committed_by_other(storage: Storage, mine: Sidecar, guard: Callable[[int], 
     raise RetryLater(f"stream {mine.stream}: shard {mine.shard} was committed by another writer first, with "
                      f"other contents ({', '.join(differs)} differ); this worker stopped writing the stream: "
                      "rerun the same command to resume after the committed shards")
+
+
+def _names_this_object(storage: Storage, mine: Sidecar) -> bool:
+    """Whether the shard's committed sidecar names `mine`'s data object, which only this attempt writes: its
+    create landed though the store answered "exists" (a resend below Storage, which docs/storage.md rules out).
+    Checked before that object is deleted: deleting it would leave a committed shard without its data."""
+    try:
+        return read_sidecar(storage, mine.stream, mine.shard, mine.generation).file == mine.file
+    except (ValueError, UserError):
+        return False
 
 
 def _delete_uncommitted(storage: Storage, sidecar: Sidecar) -> None:
