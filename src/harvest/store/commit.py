@@ -183,6 +183,9 @@ def write_data(storage: Storage, stream: int, file: str, data: bytes | list, gua
     storage.write_bytes(fmt.data_path(stream, file, generation), data)
 
 
+STOP_SETTLE_S = 1.0  # _test_stop_before_commit's wait for the writes under way before it stops the process
+
+
 def _test_stop_before_commit(stream: int, shard: int) -> None:
     """Fault injection for tests, after the last lease check and before the commit of one shard:
     HARVEST_TEST_STOP_BEFORE_COMMIT=STREAM:SHARD stops this process (SIGSTOP), as a stalled VM would;
@@ -195,6 +198,10 @@ def _test_stop_before_commit(stream: int, shard: int) -> None:
         release, until = os.environ.get("HARVEST_TEST_RELEASE_COMMIT"), time.monotonic() + float(spec[2])
         while time.monotonic() < until and not (release and os.path.exists(release)):
             time.sleep(min(0.1, max(0.0, until - time.monotonic())))
-    else:  # sent to this thread: the process stops before it returns. One sent to the process is taken by
-        # another thread, and this one may go on committing until that one is scheduled.
+    else:
+        # The writes already under way end first: fake-gcs-server holds its one lock while it reads an upload's
+        # body, so a process stopped mid-upload would block every other client (a bucket would not).
+        time.sleep(STOP_SETTLE_S)
+        # Sent to this thread, the stop takes it before it returns; one sent to the process is taken by another
+        # thread, and this one may go on and commit until that one is scheduled.
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
