@@ -350,10 +350,10 @@ class Storage:
     def remove_stale_temps(self, rel: str = "", of: str | None = None) -> list[str]:
         """Delete the temp files that writes cut short (a killed process) left directly under `rel` (local storage
         only: an object store lists no unfinished upload). Call it only on a directory no other live process writes
-        into (a stream directory under this worker's lease); this process's own writes are spared. `of`: only the
-        temps of that file of `rel`, written only by `create_exclusive`, and only once it exists: any directory
-        then, since a create of an existing file cannot succeed (one whose temp went answers False). Returns the
-        names removed."""
+        into (a stream directory under this worker's lease); this process's own writes are spared. `of` names a file
+        of `rel` written only by `create_exclusive` (run.json): then only its temps go, and only once it exists,
+        in any directory. No create of it can succeed any more, and one whose temp went answers False. Returns
+        the names removed."""
         path = self.path(rel)
         return self._retry("delete", rel, lambda: self.backend.remove_stale_temps(path, of))
 
