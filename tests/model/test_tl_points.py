@@ -19,7 +19,7 @@ def test_the_names_are_transformer_lens_own_hooks():
     names = [tl_hook_name(point, layer) for point in POINTS for layer in (0, 1)]
     assert set(names) <= set(tl.hook_dict), sorted(set(names) - set(tl.hook_dict))
     assert tl_hook_name("mlp_hidden", 1) == "blocks.1.mlp.hook_post"
-    assert "blocks.0.attn.hook_z" in tl.hook_dict  # a TL hook harvest does not capture
+    assert "blocks.0.attn.hook_pattern" in tl.hook_dict  # a TL hook harvest does not capture
     assert tl_hook_of_tensor("resid_post.12") == "blocks.12.hook_resid_post" and tl_hook_of_tensor("tokens") is None
 
 
@@ -55,5 +55,5 @@ def test_sae_tensors_take_tl_names_and_refuse_a_hook_harvest_lacks():
                     out="OUT").validate()
     assert cfg.tensor_names == ("resid_post.12", "mlp_out.3", "mlp_hidden.0")
     with pytest.raises(UserError) as e:
-        SaeConfig(run=["RUN"], tensors=["blocks.0.attn.hook_z"], out="OUT").validate()
-    assert "\n" not in str(e.value) and str(e.value).startswith("--tensors 'blocks.0.attn.hook_z': harvest captures no")
+        SaeConfig(run=["RUN"], tensors=["blocks.0.attn.hook_pattern"], out="OUT").validate()
+    assert "\n" not in str(e.value) and str(e.value).startswith("--tensors 'blocks.0.attn.hook_pattern': harvest captures no")

@@ -31,7 +31,7 @@ def qwen2_config(tmp_path_factory):
 @pytest.mark.parametrize(
     "change,expected",
     [
-        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"model_type": "mamba"}, "model_type 'mamba' is not supported"),
         ({"rope_theta": None}, "missing 'rope_theta'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs 'rope_scaling.low_freq_factor'"),
@@ -79,7 +79,7 @@ def test_v4_and_v5_dialects_parse_to_the_same_config(tmp_path):
         ("3", "has no point"),
         ("resid_post:1,,mlp_out:2", "empty item"),
         # TransformerLens hook names: refused where harvest has no such point, naming the hooks it has
-        ("blocks.0.attn.hook_z", "no TransformerLens hook 'blocks.0.attn.hook_z'; it has blocks.N.hook_resid_pre"),
+        ("blocks.0.attn.hook_pattern", "no TransformerLens hook 'blocks.0.attn.hook_pattern'; it has blocks.N.hook_resid_pre"),
         ("resid_post:1,hook_embed", "no TransformerLens hook 'hook_embed'"),
         ("blocks.5.hook_resid_post", "layer 5 does not exist; the model has layers 0-2"),
         ("blocks.1.hook_resid_post,2", "'2' has no point"),

@@ -67,7 +67,7 @@ class DecoderTrainer(Trainer):
                             f"vocab_size {self.model.vocab_size}")
         self.compute_dtype = cfg.compute_dtype or default_compute_dtype()
         self.attention = resolve_attention(cfg.attention, self.model.sliding_windows, cfg.seq_len, mesh,
-                                           backward=True)
+                                           backward=True, softcap=self.model.attn_softcap)
         details = DecoderDetails(hf_config, str(tokenizer_dir), self.model.model_type, _num_params(self.model))
         return RunRecord(self.kind, cfg.to_dict(), cfg.run_settings(), describe(mesh),
                          stable_hash(cfg.shared_settings()), self.compute_dtype, self.attention, details)

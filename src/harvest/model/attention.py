@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import logging
 import re
 
 import jax
@@ -25,6 +26,7 @@ from harvest.runtime.mesh import logical_spec
 KERNEL_BACKEND = {"splash": "tpu", "pallas-gpu": "gpu"}
 LANES = 128  # kernel rows are padded to a multiple of this; splash blocks are multiples of it
 BLOCKS_ENV = "HARVEST_PALLAS_BLOCKS"  # pallas-gpu tiles for every head size and row (benchmarks sweep it)
+log = logging.getLogger(__name__)
 
 
 class AttentionError(UserError):
@@ -36,57 +38,90 @@ def limiting(windows, seq: int) -> tuple[int | None, ...]:
     return tuple(w if w is not None and w < seq else None for w in windows)
 
 
-def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backward: bool = False) -> str:
-    """The implementation `kind` names ("auto": the backend's best that serves these windows, and a backward
-    pass where training needs one), or an AttentionError for a kind that cannot serve them."""
+def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backward: bool = False,
+            softcap: float | None = None) -> str:
+    """The implementation `kind` names ("auto": the backend's best that serves these windows and this score
+    softcap, and a backward pass where training needs one), or an AttentionError for a kind that cannot serve
+    them. Where auto passes over a kernel the backend has, it says so in one line."""
     if kind not in KINDS:
         raise AttentionError(f"--attention {kind!r}: choose one of {', '.join(KINDS)}")
-    windowed = any(limiting(windows, seq))
+    lacks = _lacks(windows, seq, softcap)
     if kind == "auto":
         backend = jax.default_backend()
         if backend in KERNEL_BACKEND.values():
             kind = "pallas-gpu" if backend == "gpu" else "splash"
-            return "dense" if kind == "pallas-gpu" and windowed else kind
+            if kind == "pallas-gpu" and lacks:
+                log.warning("attention: the Pallas GPU kernel has no %s; this model runs dense attention (seq^2 "
+                            "memory per row)", lacks)
+                return "dense"
+            return kind
         return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
     if kind == "blocks" and backward:
         raise AttentionError("--attention blocks: its loop runs over each batch's real block pairs, a count known "
                              "only at run time, which has no backward pass; train with --attention dense (or auto)")
-    if kind == "pallas-gpu" and windowed:
-        shortest = min(w for w in limiting(windows, seq) if w)
-        raise AttentionError(f"--attention pallas-gpu: the model has a sliding window of {shortest} tokens, shorter "
-                             f"than the rows ({seq}), and the Pallas GPU kernel has no window; use --attention "
-                             f"dense (or auto)")
+    if kind == "pallas-gpu" and lacks:
+        raise AttentionError(f"--attention pallas-gpu: the model needs {lacks}, which the Pallas GPU kernel lacks; "
+                             f"use --attention dense (or auto)")
     return kind
 
 
-def attention_of(kind: str, segment_ids: jax.Array, windows, scale: float, mesh: Mesh | None = None):
+def _lacks(windows, seq: int, softcap: float | None) -> str:
+    """What of a model the Pallas GPU kernel cannot do, in words ('' if nothing)."""
+    shorter = [w for w in limiting(windows, seq) if w]
+    needs = ([f"a sliding window of {min(shorter)} tokens, shorter than the rows ({seq})"] if shorter else []) + (
+        [f"an attention score softcap ({softcap:g})"] if softcap else [])
+    return " and ".join(needs)
+
+
+def attention_of(kind: str, segment_ids: jax.Array, windows, scale: float, mesh: Mesh | None = None,
+                 softcap: float | None = None):
     """`attend_of(i)` -> `attend(q [b,s,h,d], k, v [b,s,g,d]) -> [b,s,h,d]` for layer i (a traced index under
-    scan) with `windows[i]` (None: full causal)."""
+    scan) with `windows[i]` (None: full causal) and scores capped at `softcap` (cap * tanh(s / cap); None:
+    not capped)."""
     seq = segment_ids.shape[-1]
-    kind = resolve(kind, windows, seq, mesh)
+    kind = resolve(kind, windows, seq, mesh, softcap=softcap)
     windows = limiting(windows, seq)
     if kind in ("dense", "blocks"):
         window = jnp.asarray([w or seq for w in windows], jnp.int32)
         if kind == "blocks" and mesh is not None and mesh.devices.size > 1:  # each device its own rows' pairs
-            local = lambda w: lambda q, k, v, rows: block_sparse_attention(q, k, v, rows, w, block_pairs(rows), scale)
+            local = lambda w: lambda q, k, v, rows: block_sparse_attention(q, k, v, rows, w, block_pairs(rows), scale,
+                                                                           softcap)
             return lambda i: lambda q, k, v: _sharded(local(window[i]), mesh, q, k, v, segment_ids)
         if kind == "blocks":
             pairs = block_pairs(segment_ids)
-            return lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, window[i], pairs, scale)
+            return lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, window[i], pairs, scale,
+                                                                    softcap)
         idx = jnp.arange(seq)
         causal = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[:, None] >= idx[None, :])
         distance = idx[:, None] - idx[None, :]
-        return lambda i: lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, mask=(causal & (distance < window[i]))[:, None], scale=scale)
+        return lambda i: lambda q, k, v: dense_attention(q, k, v, causal & (distance < window[i]), scale, softcap)
     local = {"splash": _splash, "pallas-gpu": _pallas_gpu}[kind]
     interpret = jax.default_backend() != KERNEL_BACKEND[kind]
     distinct = sorted(set(windows), key=lambda w: w or 0)
-    branches = [functools.partial(_kernel, functools.partial(local, window=w, scale=scale, interpret=interpret),
-                                  mesh=mesh) for w in distinct]
+    branches = [functools.partial(_kernel, functools.partial(local, window=w, scale=scale, softcap=softcap,
+                                                             interpret=interpret), mesh=mesh) for w in distinct]
     if len(branches) == 1:
         return lambda i: lambda q, k, v: branches[0](q, k, v, segment_ids)
     choice = jnp.asarray([distinct.index(w) for w in windows], jnp.int32)
     return lambda i: lambda q, k, v: jax.lax.switch(choice[i], branches, q, k, v, segment_ids)
+
+
+def capped(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Scores through the softcap (Gemma 2: cap * tanh(scores / cap)), as they are without one."""
+    return scores if not softcap else softcap * jnp.tanh(scores / softcap)
+
+
+def dense_attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """The reference: every score of a row, masked by `mask` [b, s, s], each kv head serving its group of query
+    heads. Scores, their scale and cap and the softmax in float32 (transformers' eager attention rounds the scores
+    to the compute dtype first: bf16 here is closer to the exact values than HF's own bf16)."""
+    batch, seq, heads, dim = q.shape
+    groups = k.shape[2]
+    grouped = q.reshape(batch, seq, groups, heads // groups, dim)
+    scores = jnp.einsum("bqgrd,bkgd->bgrqk", grouped, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], capped(scores, softcap), jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bgrqk,bkgd->bqgrd", weights, v).reshape(q.shape)
 
 
 def _kernel(local, q, k, v, segment_ids, *, mesh: Mesh | None):
@@ -125,12 +160,12 @@ def _sharded(local, mesh: Mesh, q, k, v, segment_ids):
                          out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
 
 
-def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
+def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, softcap: float | None, interpret: bool):
     """Splash over each row: q [h, s, d] against k, v [g, s, d] (the kernel maps h/g query heads to each)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 
     seq, heads = q.shape[1], q.shape[2]
-    kernel = _splash_kernel(seq, heads, window, interpret)
+    kernel = _splash_kernel(seq, heads, window, softcap, interpret)
     heads_first = functools.partial(jnp.swapaxes, axis1=1, axis2=2)
     out = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=splash.SegmentIds(s, s)))(
         heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), segment_ids)
@@ -138,7 +173,7 @@ def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, interpret
 
 
 @functools.cache
-def _splash_kernel(seq: int, heads: int, window: int | None, interpret: bool):
+def _splash_kernel(seq: int, heads: int, window: int | None, softcap: float | None, interpret: bool):
     """Blocks of 512 where the row allows (as MaxText and levanter default), else the largest of 256, 128."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
@@ -150,7 +185,7 @@ def _splash_kernel(seq: int, heads: int, window: int | None, interpret: bool):
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     with jax.ensure_compile_time_eval():  # the mask tables are constants, whichever trace builds them first
         return splash.make_splash_mha(splash_mask.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1,
-                                      q_seq_shards=1, interpret=interpret)
+                                      q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +285,9 @@ def blocks_override(spec: str | None):
             os.environ[BLOCKS_ENV] = before
 
 
-def _pallas_gpu(q, k, v, segment_ids, *, window: int | None, scale: float, interpret: bool):
+def _pallas_gpu(q, k, v, segment_ids, *, window: int | None, scale: float, softcap: float | None, interpret: bool):
     """The Pallas GPU kernel, causal within segments, with GQA by its k/v index maps (_gqa)."""
-    assert window is None, "resolve refuses pallas-gpu with a limiting window"
+    assert window is None and not softcap, "resolve refuses pallas-gpu with a limiting window or a softcap"
     return _gqa(q, k, v, segment_ids, scale, pallas_blocks(q.shape[-1], q.shape[1]), interpret)
 
 
@@ -309,7 +344,7 @@ _gqa.defvjp(_gqa_forward, _gqa_backward)
 
 
 def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: jax.Array,
-                           pairs: tuple[jax.Array, jax.Array], scale: float) -> jax.Array:
+                           pairs: tuple[jax.Array, jax.Array], scale: float, softcap: float | None = None) -> jax.Array:
     """Attention over the (query block, key block) pairs listed by model.blocks.block_pairs only: a packed
     row costs about sum(len_i^2), not seq^2.
 
@@ -335,7 +370,7 @@ def block_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids
         qi, ki = q_index[t], k_index[t]
         distance = position[qi][:, None] - position[ki][None, :]
         visible = (segment[qi][:, None] == segment[ki][None, :]) & (distance >= 0) & (distance < window)
-        scores = jnp.einsum("gmd,gkd->gmk", qb[qi], kb[ki]) * scale
+        scores = capped(jnp.einsum("gmd,gkd->gmk", qb[qi], kb[ki]) * scale, softcap)
         scores = jnp.where(jnp.tile(visible, (rep, 1)), scores, jnp.asarray(-1e30, scores.dtype))
         # A query that sees nothing yet holds -1e30 and junk weights; its own key (always seen) rescales them to 0.
         new_peak = jnp.maximum(peak[qi], scores.max(-1))

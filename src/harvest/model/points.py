@@ -9,12 +9,18 @@ import re
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
 
-# In the order they arise inside a layer.
-POINTS = ("resid_pre", "attn_out", "resid_mid", "mlp_hidden", "mlp_out", "resid_post")
+# In the order they arise inside a layer. attn_z: each head's attention output before the output projection,
+# [n, heads x head_dim] with head h at [h * head_dim, (h + 1) * head_dim); attn_out and mlp_out: what the block
+# adds to the residual (after the post-norm on Gemma 2/3's and OLMo's blocks); mlp_in: the MLP's input (its
+# pre-norm's output; on OLMo's blocks, which have none, resid_mid); resid_mid: resid_pre + attn_out (on
+# GPT-NeoX's parallel blocks too, where the MLP reads resid_pre).
+POINTS = ("resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post")
 _LAYERS = re.compile(r"^(\d+)(?:-(\d+))?$")
 # The TransformerLens hook of each point, {layer} its block: where SAELens and TL users know them from.
-TL_HOOKS = {"resid_pre": "blocks.{layer}.hook_resid_pre", "attn_out": "blocks.{layer}.hook_attn_out",
-            "resid_mid": "blocks.{layer}.hook_resid_mid", "mlp_hidden": "blocks.{layer}.mlp.hook_post",
+# TL's hook_z is [.., heads, head_dim]; harvest stores it flat (POINTS).
+TL_HOOKS = {"resid_pre": "blocks.{layer}.hook_resid_pre", "attn_z": "blocks.{layer}.attn.hook_z",
+            "attn_out": "blocks.{layer}.hook_attn_out", "resid_mid": "blocks.{layer}.hook_resid_mid",
+            "mlp_in": "blocks.{layer}.ln2.hook_normalized", "mlp_hidden": "blocks.{layer}.mlp.hook_post",
             "mlp_out": "blocks.{layer}.hook_mlp_out", "resid_post": "blocks.{layer}.hook_resid_post"}
 _TL_POINT = {hook.split(".", 2)[2]: point for point, hook in TL_HOOKS.items()}
 _TL_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")

@@ -25,8 +25,6 @@ from harvest.model.gguf import gguf_in, is_gguf, materialize
 from harvest.model.config import ModelConfig
 from harvest.runtime.mesh import logical_sharding
 
-# Buffers some exporters leave in checkpoints; they hold nothing we need.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
               "tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt", "*.jinja"]
 
@@ -37,7 +35,7 @@ class CheckpointError(UserError):
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-    """One of our tensors (per layer when `layered`): shape, logical axes, HF name and layout."""
+    """One of our tensors (per layer when `layered`): shape, logical axes, HF source and layout."""
 
     hf: str  # HF name; {i} is the layer index
     shape: tuple[int, ...]
@@ -46,59 +44,101 @@ class ParamSpec:
     groups: tuple[tuple[int, ...], ...]
     transpose: bool = False
     layered: bool = True
+    fuse: tuple[int, int, int] | None = None  # families.base.Source.fuse: our part of a fused HF tensor
+    base: bool = True  # under the base model's prefix
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
+        """The shape of our part in HF's layout (of the whole fused tensor: full_hf_shape)."""
         dims = tuple(math.prod(self.shape[d] for d in g) for g in self.groups)
         return dims[::-1] if self.transpose else dims
 
+    @property
+    def fused_axis(self) -> int:
+        """The HF dim a fused tensor stacks its parts along: the output dim ([out, in] linear: 0; else last)."""
+        return 0 if self.transpose else len(self.hf_shape) - 1
 
-def param_specs(cfg: ModelConfig, head: bool = False) -> dict[str, ParamSpec]:
-    """Our params by path ('embed', 'layers/q_proj', ...). `head` adds the final norm and LM head."""
+    @property
+    def full_hf_shape(self) -> tuple[int, ...]:
+        shape = list(self.hf_shape)
+        if self.fuse:
+            shape[self.fused_axis] *= self.fuse[0]
+        return tuple(shape)
+
+
+def _layout(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...], int]]:
+    """Our tensors: shape, logical axes and how many leading dims come from HF's input dim (the rest from its
+    output dim; -1: a vector or table, one group). Every family's params are a subset of these."""
     D, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    a = "model.layers.{i}.self_attn."
-    m = "model.layers.{i}.mlp."
-
-    def linear_in(hf, shape, axes):  # HF [out..., in] -> ours [in, out...]
-        return ParamSpec(hf, shape, axes, ((0,), tuple(range(1, len(shape)))), transpose=True)
-
-    def linear_out(hf, shape, axes):  # HF [out, in...] -> ours [in..., out]
-        return ParamSpec(hf, shape, axes, (tuple(range(len(shape) - 1)), (len(shape) - 1,)), transpose=True)
-
-    def vector(hf, shape, axes):
-        return ParamSpec(hf, shape, axes, (tuple(range(len(shape))),))
-
-    specs = {
-        "embed": ParamSpec("model.embed_tokens.weight", (V, D), ("vocab", "embed"), ((0,), (1,)), layered=False),
-        "layers/attn_norm": vector("model.layers.{i}.input_layernorm.weight", (D,), (None,)),
-        "layers/q_proj": linear_in(a + "q_proj.weight", (D, H, hd), ("embed", "heads", None)),
-        "layers/k_proj": linear_in(a + "k_proj.weight", (D, K, hd), ("embed", "kv_heads", None)),
-        "layers/v_proj": linear_in(a + "v_proj.weight", (D, K, hd), ("embed", "kv_heads", None)),
-        "layers/o_proj": linear_out(a + "o_proj.weight", (H, hd, D), ("heads", None, "embed")),
-        "layers/mlp_norm": vector("model.layers.{i}.post_attention_layernorm.weight", (D,), (None,)),
-        "layers/gate_proj": linear_in(m + "gate_proj.weight", (D, I), ("embed", "mlp")),
-        "layers/up_proj": linear_in(m + "up_proj.weight", (D, I), ("embed", "mlp")),
-        "layers/down_proj": linear_out(m + "down_proj.weight", (I, D), ("mlp", "embed")),
+    q_norm, k_norm = ((hd,), (hd,)) if cfg.qk_norm == "head" else ((H * hd,), (K * hd,))
+    return {
+        "embed": ((V, D), ("vocab", "embed"), 1),
+        "pos_embed": ((cfg.max_positions, D), (None, "embed"), 1),
+        "layers/q_proj": ((D, H, hd), ("embed", "heads", None), 1),
+        "layers/k_proj": ((D, K, hd), ("embed", "kv_heads", None), 1),
+        "layers/v_proj": ((D, K, hd), ("embed", "kv_heads", None), 1),
+        "layers/o_proj": ((H, hd, D), ("heads", None, "embed"), 2),
+        "layers/q_bias": ((H, hd), ("heads", None), -1),
+        "layers/k_bias": ((K, hd), ("kv_heads", None), -1),
+        "layers/v_bias": ((K, hd), ("kv_heads", None), -1),
+        "layers/o_bias": ((D,), (None,), -1),
+        "layers/q_norm": (q_norm, (None,), -1),
+        "layers/k_norm": (k_norm, (None,), -1),
+        "layers/gate_proj": ((D, I), ("embed", "mlp"), 1),
+        "layers/up_proj": ((D, I), ("embed", "mlp"), 1),
+        "layers/down_proj": ((I, D), ("mlp", "embed"), 1),
+        "layers/gate_bias": ((I,), ("mlp",), -1),
+        "layers/up_bias": ((I,), ("mlp",), -1),
+        "layers/down_bias": ((D,), (None,), -1),
+        "lm_head": ((D, V), ("embed", "vocab"), 1),
+        **{f"{norm}{bias}": ((D,), (None,), -1) for bias in ("", "_bias")
+           for norm in ("layers/attn_norm", "layers/attn_post_norm", "layers/mlp_norm", "layers/mlp_post_norm",
+                        "final_norm")},
     }
-    if cfg.qkv_bias:
-        specs["layers/q_bias"] = vector(a + "q_proj.bias", (H, hd), ("heads", None))
-        specs["layers/k_bias"] = vector(a + "k_proj.bias", (K, hd), ("kv_heads", None))
-        specs["layers/v_bias"] = vector(a + "v_proj.bias", (K, hd), ("kv_heads", None))
-    if cfg.o_bias:
-        specs["layers/o_bias"] = vector(a + "o_proj.bias", (D,), (None,))
-    if cfg.mlp_bias:
-        specs["layers/gate_bias"] = vector(m + "gate_proj.bias", (I,), ("mlp",))
-        specs["layers/up_bias"] = vector(m + "up_proj.bias", (I,), ("mlp",))
-        specs["layers/down_bias"] = vector(m + "down_proj.bias", (D,), (None,))
-    if cfg.qk_norm:
-        specs["layers/q_norm"] = vector(a + "q_norm.weight", (hd,), (None,))
-        specs["layers/k_norm"] = vector(a + "k_norm.weight", (hd,), (None,))
+
+
+def param_paths(cfg: ModelConfig, head: bool = False) -> list[str]:
+    """The params `cfg` has ('embed', 'layers/q_proj', ...): what its block's switches read. `head` adds the final
+    norm and LM head."""
+    def norm(path: str) -> list[str]:
+        return [path, path + "_bias"] if cfg.norm == "layer" else [path]
+
+    post_normed = cfg.block in ("sandwich", "post")
+    paths = ["embed"] + (["pos_embed"] if cfg.rope is None else [])
+    paths += [] if cfg.block == "post" else norm("layers/attn_norm")
+    paths += [f"layers/{x}_proj" for x in "qkvo"]
+    paths += [f"layers/{x}_bias" for x in "qkv"] if cfg.qkv_bias else []
+    paths += ["layers/o_bias"] if cfg.o_bias else []
+    paths += ["layers/q_norm", "layers/k_norm"] if cfg.qk_norm else []
+    paths += norm("layers/attn_post_norm") if post_normed else []
+    paths += [] if cfg.block == "post" else norm("layers/mlp_norm")
+    paths += norm("layers/mlp_post_norm") if post_normed else []
+    mlp = (["gate"] if cfg.gated_mlp else []) + ["up", "down"]
+    paths += [f"layers/{x}_proj" for x in mlp] + ([f"layers/{x}_bias" for x in mlp] if cfg.mlp_bias else [])
     if head:
-        specs["final_norm"] = dataclasses.replace(vector("model.norm.weight", (D,), (None,)), layered=False)
-        if not cfg.tie_word_embeddings:
-            specs["lm_head"] = ParamSpec("lm_head.weight", (D, V), ("embed", "vocab"), ((0,), (1,)),
-                                         transpose=True, layered=False)
+        paths += norm("final_norm") + ([] if cfg.tie_word_embeddings else ["lm_head"])
+    return paths
+
+
+def param_specs(cfg: ModelConfig, head: bool = False) -> dict[str, ParamSpec]:
+    """Our params by path, each with its HF source (the family's names: model.families)."""
+    from harvest.model.families import family
+
+    sources, layout = family(cfg.model_type).sources(cfg), _layout(cfg)
+    specs = {}
+    for path in param_paths(cfg, head):
+        shape, axes, inputs = layout[path]
+        source = sources[path]
+        dims = tuple(range(len(shape)))
+        if source.layout == "table":
+            groups = tuple((d,) for d in dims)
+        elif source.layout == "vector" or inputs < 0:
+            groups = (dims,)
+        else:
+            groups = (dims[:inputs], dims[inputs:])
+        specs[path] = ParamSpec(source.name, shape, axes, groups, transpose=source.layout == "linear",
+                                layered=path.startswith("layers/"), fuse=source.fuse, base=source.base)
     return specs
 
 
@@ -176,8 +216,8 @@ def load_params(
     """
     ckpt = _Checkpoint(resolve_checkpoint(str(model)))
     num_layers = cfg.num_layers if num_layers is None else num_layers
-    prefix = _prefix(ckpt)
-    _check_names(ckpt, cfg, param_specs(cfg, head=head), prefix)
+    prefix = _prefix(ckpt, cfg)
+    _check_names(ckpt, cfg, prefix)
     params: dict = {}
     for path, spec, shape, sharding in _placements(cfg, mesh, num_layers, head):
         depth = num_layers if spec.layered else None
@@ -224,36 +264,48 @@ def tree_get(tree: dict, path: str) -> Any:
 
 def to_hf(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """The inverse of load_params: host params (with the head) as HF tensors by name, in HF's layout."""
+    from harvest.model.families import family
+
     tensors = {}
     for path, spec in param_specs(cfg, head=True).items():
+        if spec.fuse:
+            raise CheckpointError(f"{cfg.model_type}: writing its fused {spec.hf} back to HF is not supported")
         value = np.asarray(tree_get(params, path))
         blocks = value if spec.layered else [value]
         grouped = tuple(math.prod(spec.shape[d] for d in g) for g in spec.groups)
-        for name, block in zip(_names(spec, "model.", range(len(blocks))), blocks):
+        for name, block in zip(_names(spec, family(cfg.model_type).prefixes[0], range(len(blocks))), blocks):
             block = block.reshape(grouped)
             tensors[name] = np.ascontiguousarray(block.T if spec.transpose else block)
     return tensors
 
 
-def _prefix(ckpt: _Checkpoint) -> str:
-    """'model.' for *ForCausalLM checkpoints, '' for bare base-model exports."""
-    if "model.embed_tokens.weight" in ckpt.files:
-        return "model."
-    if "embed_tokens.weight" in ckpt.files:
-        return ""
-    raise CheckpointError(f"{ckpt.path}: missing tensor model.embed_tokens.weight")
+def _prefix(ckpt: _Checkpoint, cfg: ModelConfig) -> str:
+    """Where the base model's tensors sit: the family's first prefix under which its embedding is found
+    ('model.' for *ForCausalLM checkpoints, '' for bare base-model exports, ...)."""
+    from harvest.model.families import family
+
+    embed = param_specs(cfg)["embed"].hf
+    prefixes = family(cfg.model_type).prefixes
+    found = next((p for p in prefixes if p + embed in ckpt.files), None)
+    if found is None:
+        raise CheckpointError(f"{ckpt.path}: missing tensor {prefixes[0] + embed} (is it a {cfg.model_type} "
+                              "checkpoint?)")
+    return found
 
 
 def _names(spec: ParamSpec, prefix: str, layers: range) -> list[str]:
-    name = spec.hf.replace("model.", prefix, 1) if spec.hf.startswith("model.") else spec.hf
+    name = prefix + spec.hf if spec.base else spec.hf
     return [name.format(i=i) for i in layers] if spec.layered else [name]
 
 
-def _check_names(ckpt: _Checkpoint, cfg: ModelConfig, specs: dict[str, ParamSpec], prefix: str) -> None:
+def _check_names(ckpt: _Checkpoint, cfg: ModelConfig, prefix: str) -> None:
     """Every tensor the config implies is present with its shape; nothing unexpected is there."""
+    from harvest.model.families import family
+
+    ignored = re.compile(family(cfg.model_type).ignored)
     every = param_specs(cfg, head=True)
-    expected = {n: s.hf_shape for s in every.values() for n in _names(s, prefix, range(cfg.num_layers))}
-    present = {n for n in ckpt.files if not _IGNORED.match(n)}
+    expected = {n: s.full_hf_shape for s in every.values() for n in _names(s, prefix, range(cfg.num_layers))}
+    present = {n for n in ckpt.files if not ignored.match(n)}
     if cfg.tie_word_embeddings:
         present.discard("lm_head.weight")  # some exporters store the tied copy too
     missing = sorted(set(expected) - present)
@@ -267,6 +319,18 @@ def _check_names(ckpt: _Checkpoint, cfg: ModelConfig, specs: dict[str, ParamSpec
         got = tuple(ckpt.slice(name).get_shape())
         if got != shape:
             raise CheckpointError(f"{ckpt.path}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+
+
+def _part(full: np.ndarray, spec: ParamSpec) -> np.ndarray:
+    """Our part of a fused HF tensor (ParamSpec.fuse), in HF's layout."""
+    parts, index, heads = spec.fuse
+    x = np.moveaxis(full, spec.fused_axis, 0)
+    n, rest = x.shape[0], x.shape[1:]
+    if heads:  # [heads, parts, per head]
+        x = x.reshape(heads, parts, n // (heads * parts), *rest)[:, index].reshape(n // parts, *rest)
+    else:  # [parts, n / parts]
+        x = x.reshape(parts, n // parts, *rest)[index]
+    return np.moveaxis(x, 0, spec.fused_axis)
 
 
 def _few(names: list[str]) -> str:
@@ -289,7 +353,11 @@ def _reader(ckpt: _Checkpoint, spec: ParamSpec, prefix: str, depth: int | None, 
             hf_index.append(slice(outer.start * inner, outer.stop * inner))
         if spec.transpose:
             hf_index.reverse()
-        block = ckpt.slice(name)[tuple(hf_index)]
+        if spec.fuse:
+            source = ckpt.slice(name)
+            block = _part(source[tuple(slice(None) for _ in source.get_shape())], spec)[tuple(hf_index)]
+        else:
+            block = ckpt.slice(name)[tuple(hf_index)]
         if spec.transpose:
             block = block.T
         return np.asarray(block).astype(dtype).reshape([len(b) for b in bounds])

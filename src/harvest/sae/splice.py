@@ -49,17 +49,17 @@ def losses(params: dict, tokens: jax.Array, segments: jax.Array, sae: dict, *, c
     reconstruction (sae) or zeroed (zero), but at each row's first `skip_first` tokens and where its L2 norm
     exceeds `norm_limit`."""
     dtype = params["embed"].dtype
-    cos, sin, attend_of = T.attention_inputs(cfg, segments, cfg.num_layers, dtype, "dense", None)
+    rotary_of, attend_of = T.attention_inputs(cfg, segments, cfg.num_layers, dtype, "dense", None)
 
     def run(h, lo, hi):
         def step(h, xs):
             lp, i = xs
-            return T.layer(cfg, lp, h, cos, sin, attend_of(i))["resid_post"], None
+            return T.layer(cfg, lp, h, rotary_of(i), attend_of(i))["resid_post"], None
 
         layers = jax.tree.map(lambda a: a[lo:hi], params["layers"])
         return jax.lax.scan(step, h, (layers, jnp.arange(lo, hi)))[0] if hi > lo else h
 
-    h = run(T.embed(params["embed"], tokens, lambda x, axes: x), 0, split)
+    h = run(T.embed(params, tokens, segments, cfg, lambda x, axes: x), 0, split)
     later = jnp.arange(h.shape[1])[None, :] >= skip_first
     massive = jnp.sum(jnp.square(h.astype(jnp.float32)), axis=-1) > jnp.square(norm_limit)
     spliced = (later & ~massive)[..., None]
@@ -70,8 +70,7 @@ def losses(params: dict, tokens: jax.Array, segments: jax.Array, sae: dict, *, c
                       h)
     elif mode == "zero":
         h = jnp.where(spliced, 0, h)
-    h = T.rms_norm(run(h, split, cfg.num_layers), params["final_norm"], cfg.rms_norm_eps)
-    logits = jnp.einsum("bsd,dv->bsv", h, T.lm_head(params, cfg).astype(h.dtype)).astype(jnp.float32)
+    logits = T.unembed(params, cfg, T.final_norm(params, cfg, run(h, split, cfg.num_layers))).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     counted = (segments[:, 1:] > 0) & (segments[:, 1:] == segments[:, :-1])

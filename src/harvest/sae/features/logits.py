@@ -20,12 +20,13 @@ log = logging.getLogger(__name__)
 class Logits:
     def __init__(self, checkpoint: Path, count: int, vocab: Vocab):
         from harvest.model.config import ModelConfig
+        from harvest.model.transformer import final_norm_scale, lm_head
         from harvest.model.weights import load_params
 
         self.cfg = ModelConfig.from_dir(checkpoint)
         params = load_params(checkpoint, self.cfg, dtype=np.float32, num_layers=1, head=True)  # the head (and layer 0: it reads no fewer)
-        self.unembed = params["lm_head"] if "lm_head" in params else params["embed"].T
-        self.norm = params["final_norm"]
+        self.unembed = lm_head(params, self.cfg)
+        self.norm = final_norm_scale(params, self.cfg)
         self.count, self.vocab = min(count, self.cfg.vocab_size), vocab
 
         def ends(w: jax.Array) -> tuple[jax.Array, ...]:
