@@ -8,7 +8,8 @@ import pytest
 from extract_helpers import text_streams
 
 from harvest.errors import UserError
-from harvest.model.points import POINTS, parse_points, tl_hook_name, tl_hook_of_tensor
+from harvest.model.points import POINTS, parse_points
+from harvest.tl_hooks import tl_hook_name, tl_hook_of_tensor
 
 
 def test_the_names_are_transformer_lens_own_hooks():

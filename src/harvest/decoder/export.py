@@ -15,14 +15,13 @@ from safetensors.numpy import save_file
 
 from harvest.errors import UserError
 from harvest.model.config import ModelConfig
+from harvest.model.families import family
 from harvest.model.weights import to_hf
 from harvest.storage import Storage
 from harvest.training.checkpoint import CHECKPOINTS, Checkpoints
 from harvest.training.record import read_run
 
 MAX_SHARD_BYTES = 5 * 10**9
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "chat_template.jinja", "generation_config.json")
 
@@ -55,7 +54,7 @@ def export(run_url: str, out_dir: str | Path, step: int | None = None,
     out.mkdir(parents=True, exist_ok=True)
     files = _write_safetensors(tensors, out, max_shard_bytes)
     dtype = str(next(iter(tensors.values())).dtype)
-    hf_config = {**info.hf_config, "architectures": [ARCHITECTURES[model.model_type]],
+    hf_config = {**info.hf_config, "architectures": [family(model.model_type).architecture],
                  "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": dtype}
     hf_config.pop("dtype", None)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -46,8 +46,7 @@ def init_program(cfg: ModelConfig, mesh: Mesh, dtype: str = "float32", initializ
         params: dict = {}
         root = jax.random.key(seed)
         for index, (path, spec) in enumerate(specs):
-            tree_set(params, path, _draw(path, spec, cfg.num_layers, jax.random.fold_in(root, index),
-                                         initializer_range, dtype))
+            tree_set(params, path, _draw(cfg, path, spec, jax.random.fold_in(root, index), initializer_range, dtype))
         return params
 
     return jax.jit(build, out_shardings=param_shardings(cfg, mesh))
@@ -59,12 +58,13 @@ def init_params(cfg: ModelConfig, seed: int, mesh: Mesh, dtype: str = "float32",
     return init_program(cfg, mesh, dtype, initializer_range)(np.uint32(seed & 0xFFFFFFFF))  # jax keys: 32 bits
 
 
-def _draw(path: str, spec: ParamSpec, layers: int, key: jax.Array, scale: float, dtype: str) -> jax.Array:
+def _draw(cfg: ModelConfig, path: str, spec: ParamSpec, key: jax.Array, scale: float, dtype: str) -> jax.Array:
     """One tensor, drawn in fp32 and stored as `dtype`; a layered one draws layer by layer (lax.map: one layer's
     scratch at a time, not the whole stack's) from each layer's own key, so layer i does not depend on depth."""
-    leaf = path.rsplit("/", 1)[-1]
-    if leaf.endswith("norm"):
-        return jnp.ones(((layers,) if spec.layered else ()) + spec.shape, dtype)
+    leaf, layers = path.rsplit("/", 1)[-1], cfg.num_layers
+    if leaf.endswith("norm"):  # the identity: w = 1, or w = 0 where the norm scales by (1 + w) (Gemma)
+        fill = jnp.zeros if cfg.norm == "rms_one_plus" else jnp.ones
+        return fill(((layers,) if spec.layered else ()) + spec.shape, dtype)
     if leaf.endswith("bias"):
         return jnp.zeros(((layers,) if spec.layered else ()) + spec.shape, dtype)
 

@@ -8,6 +8,7 @@ import re
 
 from harvest.errors import UserError
 from harvest.ranges import format_ranges
+from harvest.tl_hooks import TL_HOOKS
 
 # In the order they arise inside a layer. attn_z: each head's attention output before the output projection,
 # [n, heads x head_dim] with head h at [h * head_dim, (h + 1) * head_dim); attn_out and mlp_out: what the block
@@ -16,12 +17,7 @@ from harvest.ranges import format_ranges
 # GPT-NeoX's parallel blocks too, where the MLP reads resid_pre).
 POINTS = ("resid_pre", "attn_z", "attn_out", "resid_mid", "mlp_in", "mlp_hidden", "mlp_out", "resid_post")
 _LAYERS = re.compile(r"^(\d+)(?:-(\d+))?$")
-# The TransformerLens hook of each point, {layer} its block: where SAELens and TL users know them from.
-# TL's hook_z is [.., heads, head_dim]; harvest stores it flat (POINTS).
-TL_HOOKS = {"resid_pre": "blocks.{layer}.hook_resid_pre", "attn_z": "blocks.{layer}.attn.hook_z",
-            "attn_out": "blocks.{layer}.hook_attn_out", "resid_mid": "blocks.{layer}.hook_resid_mid",
-            "mlp_in": "blocks.{layer}.ln2.hook_normalized", "mlp_hidden": "blocks.{layer}.mlp.hook_post",
-            "mlp_out": "blocks.{layer}.hook_mlp_out", "resid_post": "blocks.{layer}.hook_resid_post"}
+# A TransformerLens hook name without its "blocks.N." -> our point.
 _TL_POINT = {hook.split(".", 2)[2]: point for point, hook in TL_HOOKS.items()}
 _TL_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
@@ -48,11 +44,6 @@ class CapturePlan:
         return ",".join(f"{point}:{format_ranges(layers)}" for point, layers in self.points)
 
 
-def tl_hook_name(point: str, layer: int) -> str:
-    """The TransformerLens hook name of a point at a layer: `blocks.12.hook_resid_post`."""
-    return TL_HOOKS[point].format(layer=layer)
-
-
 def from_tl_hook(name: str, where: str = "") -> tuple[str, int] | None:
     """(point, layer) of a TransformerLens hook name; None where `name` is not one (`blocks.N.` or `hook_`);
     a TL hook harvest has no point for is refused in one line (after `where`, the input) naming those it has."""
@@ -64,13 +55,6 @@ def from_tl_hook(name: str, where: str = "") -> tuple[str, int] | None:
         raise PointsError(f"{where}harvest captures no TransformerLens hook {name!r}; it has {hooks} "
                           f"(or harvest's own {', '.join(POINTS)})")
     return _TL_POINT[match.group(2)], int(match.group(1))
-
-
-def tl_hook_of_tensor(tensor: str) -> str | None:
-    """The TransformerLens hook name of a run's tensor (`resid_post.12`, see harvest.store.format.tensor_name);
-    None for a tensor that is no point at a layer."""
-    point, _, layer = tensor.rpartition(".")
-    return tl_hook_name(point, int(layer)) if point in TL_HOOKS and layer.isdigit() else None
 
 
 def parse_points(spec: str, num_layers: int) -> CapturePlan:

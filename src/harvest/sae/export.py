@@ -17,7 +17,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from harvest.errors import UserError
-from harvest.model.points import tl_hook_of_tensor
+from harvest.tl_hooks import tl_hook_of_tensor
 from harvest.sae import model as M
 from harvest.storage import Storage
 from harvest.training.checkpoint import CHECKPOINTS, Checkpoints

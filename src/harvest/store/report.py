@@ -30,6 +30,7 @@ from harvest.store.listing import (covered_streams, read_chains, read_lease, rea
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.snapshot import Snapshot, shard_samples
 from harvest.store.stats import RunningStats
+from harvest.tl_hooks import tl_hook_of_tensor
 
 STALE_S = 600.0  # a running stream whose progress.json is older than this is shown as stale
 
@@ -274,16 +275,17 @@ def inspect(url: str | Storage, *, sample_tokens: int = 16) -> list[RenderableTy
 
     tensors = Table(title="tensors (stats over every committed token; first tokens: each sample's first, their "
                           "share of the tokens and of the variance)", title_justify="left")
-    for name in ("tensor", "width", "dtype", "tokens", "mean of means", "mean std", "max |mean|", "first tokens"):
-        tensors.add_column(name, justify="left" if name == "tensor" else "right")
+    for name in ("tensor", "TransformerLens hook", "width", "dtype", "tokens", "mean of means", "mean std",
+                 "max |mean|", "first tokens"):
+        tensors.add_column(name, justify="left" if name in ("tensor", "TransformerLens hook") else "right")
     for name, width in run.tensors.items():
-        stats = run.stats(name)
+        stats, hook = run.stats(name), tl_hook_of_tensor(name) or "-"
         if stats.count:
             std = np.sqrt(stats.var)
-            tensors.add_row(name, str(width), run.dtype, f"{stats.count:,}", f"{stats.mean.mean():+.4g}",
+            tensors.add_row(name, hook, str(width), run.dtype, f"{stats.count:,}", f"{stats.mean.mean():+.4g}",
                             f"{std.mean():.4g}", f"{np.abs(stats.mean).max():.4g}", first_token_share(run, name))
         else:
-            tensors.add_row(name, str(width), run.dtype, "0", "-", "-", "-", "-")
+            tensors.add_row(name, hook, str(width), run.dtype, "0", "-", "-", "-", "-")
 
     out: list[RenderableType] = [about, tensors]
     if run.num_tokens:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from harvest.model.points import tl_hook_of_tensor
+from harvest.tl_hooks import tl_hook_of_tensor
 from harvest.sae.features.writer import BLOCK, BlockOrder
 from harvest.sae.features.record import Context, FeaturesRecord, Latent, TensorSummary
 from harvest.sae.features.site import short
