@@ -30,8 +30,9 @@ def packed_segments(lengths: list[list[int]], seq: int) -> np.ndarray:
     return segments
 
 
-def attend(kind, segments, window, mesh=None):
-    return lambda q, k, v: attention_of(kind, jnp.asarray(segments), (window,), q.shape[-1] ** -0.5, mesh)(0)(q, k, v)
+def attend(kind, segments, window, mesh=None, softcap=None):
+    return lambda q, k, v: attention_of(kind, jnp.asarray(segments), (window,), q.shape[-1] ** -0.5, mesh,
+                                        softcap=softcap)(0)(q, k, v)
 
 
 def assert_close(ours, theirs, what):
@@ -55,11 +56,19 @@ CASES = {  # kind, rows' sample lengths, seq, query heads, kv heads, window, mes
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# Gemma 2's score softcap (50 there; 2 here, where scores of unit-normal q and k reach it), with a window.
+SOFTCAPPED = {
+    "splash-softcap-window-40": ("splash", [[50, 90, 70, 30], [256], [3, 140]], 256, 8, 2, 40, None, 2.0),
+    "splash-mesh-softcap": ("splash", [[50, 40, 30], [128], [3, 60], [70]], 128, 8, 2, None, "data=2,model=4", 2.0),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES) + list(SOFTCAPPED))
 def test_kernel_equals_the_dense_reference_values_and_gradients(case):
     """Values everywhere (padding attends to earlier padding in both), and the gradients of q, k and v for a
     loss over the real tokens only (padding outputs are never read: their cotangent is 0)."""
-    kind, lengths, seq, heads, groups, window, mesh_spec = CASES[case]
+    kind, lengths, seq, heads, groups, window, mesh_spec, *softcap = {**CASES, **SOFTCAPPED}[case]
+    softcap = softcap[0] if softcap else None
     segments = packed_segments(lengths, seq)
     mesh = make_mesh(mesh_spec) if mesh_spec else None
     rng = np.random.default_rng(seq + heads)
@@ -68,7 +77,7 @@ def test_kernel_equals_the_dense_reference_values_and_gradients(case):
     weights = jnp.asarray(rng.standard_normal(q.shape) * (segments != 0)[:, :, None, None], jnp.float32)
 
     def values_and_grads(kind):
-        fn = attend(kind, segments, window, mesh)
+        fn = attend(kind, segments, window, mesh, softcap)
         out, pull = jax.vjp(fn, q, k, v)
         return out, pull(weights)
 
@@ -79,8 +88,9 @@ def test_kernel_equals_the_dense_reference_values_and_gradients(case):
         assert_close(ours, theirs, f"d{name}")
 
 
-@pytest.mark.parametrize("mesh_spec,window", [("data=8", None), ("data=2,model=4", 40), ("data=2,fsdp=2,model=2", None)])
-def test_blocks_on_a_mesh_equal_the_dense_reference(mesh_spec, window):
+@pytest.mark.parametrize("mesh_spec,window,softcap", [("data=8", None, None), ("data=2,model=4", 40, None),
+                                                     ("data=2,fsdp=2,model=2", None, None), ("data=8", 30, 2.0)])
+def test_blocks_on_a_mesh_equal_the_dense_reference(mesh_spec, window, softcap):
     """CPU extraction's blocks under shard_map (each device its own rows' block pairs; heads over `model`,
     within one kv group or with the groups split): the dense values on every real token (blocks' padding is
     never read, and holds other values), and every value the same bits as blocks on one device."""
@@ -88,10 +98,11 @@ def test_blocks_on_a_mesh_equal_the_dense_reference(mesh_spec, window):
     rng = np.random.default_rng(7)
     q, k, v = (jnp.asarray(rng.standard_normal((8, 128, n, 16)), jnp.float32) for n in (8, 2, 2))
     mesh = make_mesh(mesh_spec)
-    out = np.asarray(jax.jit(attend("blocks", segments, window, mesh))(q, k, v))
+    out = np.asarray(jax.jit(attend("blocks", segments, window, mesh, softcap))(q, k, v))
     real = segments != 0
-    assert_close(out[real], np.asarray(jax.jit(attend("dense", segments, window))(q, k, v))[real], mesh_spec)
-    np.testing.assert_array_equal(out, np.asarray(jax.jit(attend("blocks", segments, window))(q, k, v)))
+    assert_close(out[real], np.asarray(jax.jit(attend("dense", segments, window, softcap=softcap))(q, k, v))[real],
+                 mesh_spec)
+    np.testing.assert_array_equal(out, np.asarray(jax.jit(attend("blocks", segments, window, softcap=softcap))(q, k, v)))
 
 
 def pallas_calls(jaxpr) -> list:
@@ -160,6 +171,20 @@ def test_auto_picks_by_backend_and_refusals_are_one_line_errors():
         with pytest.raises(AttentionError, match=words) as refused:
             resolve(kind, windows, seq, backward=backward)
         assert "\n" not in str(refused.value) and refused.value.exit_code == 2
+    with pytest.raises(AttentionError, match=r"softcap \(50\), which the Pallas GPU kernel lacks") as refused:
+        resolve("pallas-gpu", (None,), 256, softcap=50.0)
+    assert "\n" not in str(refused.value)
+    assert resolve("splash", windows, 256, softcap=50.0) == "splash" == resolve("auto", windows, 256, softcap=50.0,
+                                                                                 backend="tpu")
+
+
+def test_auto_on_a_gpu_runs_a_softcapped_or_windowed_model_dense_and_says_so_in_one_line(caplog):
+    assert resolve("auto", (None,), 256, backend="gpu") == "pallas-gpu"
+    with caplog.at_level("WARNING", logger="harvest.model.attention"):
+        assert resolve("auto", (None,), 256, softcap=50.0, backend="gpu") == "dense"
+    assert [r.getMessage() for r in caplog.records] == [
+        "attention: this model needs an attention score softcap (50), which the Pallas GPU kernel lacks; it runs "
+        "dense attention (seq^2 memory per row)"]
 
 
 @pytest.fixture(scope="module")

@@ -39,20 +39,20 @@ def limiting(windows, seq: int) -> tuple[int | None, ...]:
 
 
 def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backward: bool = False,
-            softcap: float | None = None) -> str:
+            softcap: float | None = None, backend: str | None = None) -> str:
     """The implementation `kind` names ("auto": the backend's best that serves these windows and this score
     softcap, and a backward pass where training needs one), or an AttentionError for a kind that cannot serve
-    them. Where auto passes over a kernel the backend has, it says so in one line."""
+    them. Where auto passes over a kernel the backend has, it says so in one line. `backend`: jax's default."""
     if kind not in KINDS:
         raise AttentionError(f"--attention {kind!r}: choose one of {', '.join(KINDS)}")
     lacks = _lacks(windows, seq, softcap)
     if kind == "auto":
-        backend = jax.default_backend()
+        backend = backend or jax.default_backend()
         if backend in KERNEL_BACKEND.values():
             kind = "pallas-gpu" if backend == "gpu" else "splash"
             if kind == "pallas-gpu" and lacks:
-                log.warning("attention: the Pallas GPU kernel has no %s; this model runs dense attention (seq^2 "
-                            "memory per row)", lacks)
+                log.warning("attention: this model needs %s, which the Pallas GPU kernel lacks; it runs dense "
+                            "attention (seq^2 memory per row)", lacks)
                 return "dense"
             return kind
         return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
@@ -66,7 +66,7 @@ def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backw
 
 
 def _lacks(windows, seq: int, softcap: float | None) -> str:
-    """What of a model the Pallas GPU kernel cannot do, in words ('' if nothing)."""
+    """What a model needs that the Pallas GPU kernel lacks, in words ('' if nothing)."""
     shorter = [w for w in limiting(windows, seq) if w]
     needs = ([f"a sliding window of {min(shorter)} tokens, shorter than the rows ({seq})"] if shorter else []) + (
         [f"an attention score softcap ({softcap:g})"] if softcap else [])
