@@ -61,3 +61,42 @@ def test_the_logits_equal_hf(family):
     ours = jax.jit(logits, static_argnames="cfg")(params, jnp.asarray(tokens), jnp.ones_like(tokens), cfg=cfg)
     theirs = ref.hf_logits(ckpt, tokens)
     np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-5, atol=1e-5 * float(np.abs(theirs).max()))
+
+
+@pytest.mark.parametrize("name", ref.NEW_FAMILIES)
+def test_the_hub_dialect_of_config_json_reads_as_the_one_transformers_5_writes(name, tmp_path):
+    """Hub checkpoints carry transformers-4 keys (rope_theta, rope_local_base_freq, rotary_pct, ...)."""
+    ckpt = ref.build_checkpoint(name, tmp_path, num_layers=2)
+    v5 = ModelConfig.from_dir(ckpt)
+    ref.to_v4_dialect(ckpt)
+    assert ModelConfig.from_dir(ckpt) == v5
+
+
+@pytest.mark.parametrize("name,convert", [("gpt2", ref.to_bare_gpt2), ("gemma3", ref.to_new_gemma3_keys)],
+                         ids=["gpt2-hub-names-and-mask-buffers", "gemma3-language-model-under-model."])
+def test_the_other_layouts_of_a_checkpoint_load_to_the_same_values(name, convert, tmp_path):
+    ckpt = ref.build_checkpoint(name, tmp_path, num_layers=2)
+    tokens = np.random.RandomState(1).randint(0, 211, (2, 11))
+    before = run(ckpt, tokens)
+    convert(ckpt)
+    after = run(ckpt, tokens)
+    for key, values in before.items():
+        np.testing.assert_array_equal(after[key], values, err_msg=str(key))
+
+
+def test_a_sharded_bf16_checkpoint_loads_as_hf_reads_it(tmp_path):
+    ckpt = ref.build_sharded_checkpoint("gemma2", tmp_path, dtype="bfloat16", max_shard_size="20KB")
+    tokens = np.random.RandomState(2).randint(0, 211, (2, 11))
+    ours = run(ckpt, tokens, dtype=np.float32)
+    theirs = ref.hf_captures(ckpt, tokens, dtype="float32")  # bf16 weights, float32 compute in both
+    assert_close(ours, theirs, rtol=1e-5)
+
+
+def test_a_family_it_does_not_know_is_one_line_naming_those_it_does(tmp_path):
+    from harvest.errors import UserError
+    from harvest.model.families import SUPPORTED
+
+    with pytest.raises(UserError) as refused:
+        ModelConfig.from_hf({"model_type": "mamba"}, "x/config.json")
+    assert str(refused.value) == f"x/config.json: model_type 'mamba' is not supported (supported: {', '.join(SUPPORTED)})"
+    assert {"gpt2", "gpt_neox", "gemma", "gemma2", "gemma3_text", "gemma3", "olmo2", "olmo3"} <= set(SUPPORTED)
