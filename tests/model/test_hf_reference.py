@@ -13,11 +13,13 @@ IDS = np.random.default_rng(0).integers(0, 211, size=(2, 7))
 @pytest.mark.parametrize("family", H.FAMILIES)
 def test_captures_all_points_and_v4_dialect(family, tmp_path):
     ckpt = H.build_checkpoint(family, tmp_path / family, num_layers=2)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    heads_wide = cfg["num_attention_heads"] * cfg.get("head_dim", 72 // cfg["num_attention_heads"])
     caps = H.hf_captures(ckpt, IDS)
     assert set(caps) == {(p, layer) for p in H.POINTS for layer in range(2)}
     for (point, layer), arr in caps.items():
         assert arr.dtype == np.float32
-        assert arr.shape == (2, 7, 100 if point == "mlp_hidden" else 72)
+        assert arr.shape == (2, 7, {"mlp_hidden": 100, "attn_z": heads_wide}.get(point, 72))
     # Residual bookkeeping of the capture points.
     for layer in range(2):
         np.testing.assert_allclose(

@@ -33,7 +33,8 @@ def qwen2_config(tmp_path_factory):
     [
         ({"model_type": "mamba"}, "model_type 'mamba' is not supported"),
         ({"rope_theta": None}, "missing 'rope_theta'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' needs 'rope_scaling.original_max_position"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs 'rope_scaling.low_freq_factor'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"num_key_value_heads": 4}, "not a multiple of num_key_value_heads 4"),

@@ -54,8 +54,9 @@ def config(hf: dict[str, Any], src: str) -> ModelConfig:
         act=f.activation("hidden_activation" if "hidden_activation" in hf else "hidden_act"),
         embed_scale=True,
         attn_scale=float(f.need("query_pre_attn_scalar", (int, float))) ** -0.5 if later else None,
-        attn_softcap=_cap(f, "attn_logit_softcapping"),
-        final_softcap=_cap(f, "final_logit_softcapping"),
+        # transformers applies the score softcap on Gemma 2 only, and Gemma3ForConditionalGeneration no logit softcap.
+        attn_softcap=_cap(f, "attn_logit_softcapping") if model_type == "gemma2" else None,
+        final_softcap=_cap(f, "final_logit_softcapping") if model_type != "gemma3" else None,
     )
 
 
