@@ -154,21 +154,27 @@ def test_tokenizer_and_chat_template_are_the_gguf_ones(checkpoint, hf_tokenizer)
 def test_every_point_of_every_layer_equals_hf_on_real_text(checkpoint, gguf_dir, hf_model, tmp_path):
     """`harvest extract --model X.gguf` (float32) against transformers loading the same GGUF: every capture
     point of all 30 layers, on real English."""
-    texts = pydoc_paragraphs(3)
-    points = ",".join(f"{p}:0-{LAYERS - 1}" for p in ref.POINTS)
-    out = tmp_path / "out"
-    run_extract(ExtractConfig(model=str(gguf_dir / NAME), data=write_texts(tmp_path / "t.jsonl", texts),
-                              out=str(out), points=points, dtype="float32", max_seq_len=MAX_SEQ_LEN,
-                              long="truncate", batch_size=3, shard_size="1GB").validate())
+    assert_points_equal_hf(gguf_dir / NAME, hf_model, ref.POINTS, LAYERS, MAX_SEQ_LEN, pydoc_paragraphs(3), tmp_path)
+
+
+def assert_points_equal_hf(gguf: Path, hf_model, points, layers: int, seq: int, texts: list[str],
+                           tmp_path: Path) -> None:
+    """harvest's extraction of `points` at every layer of real `texts` (each longer than `seq` tokens, cut there)
+    equals transformers' run of the same GGUF on the same tokens."""
+    out, count = tmp_path / "out", len(texts)
+    spec = ",".join(f"{p}:0-{layers - 1}" for p in points)
+    run_extract(ExtractConfig(model=str(gguf), data=write_texts(tmp_path / "t.jsonl", texts),
+                              out=str(out), points=spec, dtype="float32", max_seq_len=seq, long="truncate",
+                              batch_size=count, shard_size="1GB").validate())
     samples = stored(out)
-    assert sorted(samples) == [0, 1, 2]
-    tokens = np.stack([samples[i][0] for i in range(3)])  # every text is longer than MAX_SEQ_LEN tokens
-    assert tokens.shape == (3, MAX_SEQ_LEN)
+    assert sorted(samples) == list(range(count))
+    tokens = np.stack([samples[i][0] for i in range(count)])  # every text is longer than seq tokens
+    assert tokens.shape == (count, seq)
     theirs = ref.model_captures(hf_model, tokens.astype(np.int64))
     worst: dict[str, float] = {}
-    for i in range(3):
+    for i in range(count):
         values = samples[i][1]
-        assert len(values) == len(ref.POINTS) * LAYERS
+        assert len(values) == len(points) * layers
         for name, got in values.items():
             point, layer = name.split(".")
             want = theirs[point, int(layer)][i]
@@ -179,9 +185,10 @@ def test_every_point_of_every_layer_equals_hf_on_real_text(checkpoint, gguf_dir,
                 scale = np.maximum(scale, np.abs(theirs["resid_pre", int(layer)][i]).max(axis=1, keepdims=True))
             worst[name] = max(worst.get(name, 0.0), float((np.abs(got - want) / scale).max()))
     print("largest difference from HF, of the token's largest value (residual stream's for what adds to it):",
-          {p: f"{max(v for k, v in worst.items() if k.startswith(p + '.')):.1e}" for p in ref.POINTS})
+          {p: f"{max(v for k, v in worst.items() if k.startswith(p + '.')):.1e}" for p in points})
     bad = {k: f"{v:.1e}" for k, v in worst.items() if v > TOLERANCE}
     assert not bad, bad
+
 
 def test_a_trained_sae_recovers_the_loss_a_trivial_one_does_not(checkpoint, tmp_path):
     """`harvest sae train` on resid_post.15 of real text, then `harvest sae eval --model --data` on other texts:
@@ -313,6 +320,18 @@ def test_gemma3_config_is_transformers_own(gemma_checkpoint, gemma_hf):
     assert cfg.sliding_windows == ((512,) * 5 + (None,)) * 3
     assert (cfg.rope.theta, cfg.local_rope.theta, cfg.attn_scale) == (1e6, 1e4, 256**-0.5)
     assert cfg.attn_softcap is cfg.final_softcap is None and cfg.norm == "rms_one_plus"
+
+
+def test_gemma3_every_point_of_every_layer_equals_hf_on_real_text(gemma_gguf, gemma_checkpoint, gemma_hf, tmp_path):
+    """The real Gemma 3 270M (18 layers, 5 windowed of 512 tokens per global one): every capture point of every
+    layer on real English, against transformers running the same GGUF."""
+    assert_points_equal_hf(gemma_gguf, gemma_hf, ref.POINTS, 18, MAX_SEQ_LEN, pydoc_paragraphs(3), tmp_path)
+
+
+def test_gemma3_past_its_window_equals_hf(gemma_gguf, gemma_checkpoint, gemma_hf, tmp_path):
+    """Samples of 600 tokens: the windowed layers' 512-token window hides the first keys from the last queries."""
+    texts = ["\n\n".join(pydoc_paragraphs(12, skip=12 * i)) for i in range(2)]  # ~1,000 tokens each
+    assert_points_equal_hf(gemma_gguf, gemma_hf, ("attn_z", "resid_post"), 18, 600, texts, tmp_path)
 
 
 def test_gemma3_tokenizer_is_the_gguf_one(gemma_checkpoint, gemma_tokenizer):
