@@ -16,6 +16,7 @@ tensors, tokenizer and chat template must be its too.
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import hf_reference as ref
@@ -332,6 +333,19 @@ def test_gemma3_past_its_window_equals_hf(gemma_gguf, gemma_checkpoint, gemma_hf
     """Samples of 600 tokens: the windowed layers' 512-token window hides the first keys from the last queries."""
     texts = ["\n\n".join(pydoc_paragraphs(12, skip=12 * i)) for i in range(2)]  # ~1,000 tokens each
     assert_points_equal_hf(gemma_gguf, gemma_hf, ("attn_z", "resid_post"), 18, 600, texts, tmp_path)
+
+
+def test_the_demo_runs_on_gemma3(gemma_checkpoint, tmp_path):
+    """`harvest demo --model` on the real Gemma 3 270M, small: extract, verify, SAE, CE loss recovered, features. Its
+    clean loss on held-out help texts is a trained model's (a wrong forward scores ~ln(262,144) = 12.5)."""
+    done = run_harvest("demo", "--model", str(gemma_checkpoint), "--texts", "12", "--tasks", "4", "--sae-steps", "20",
+                       "--eval-texts", "3", "--eval-tokens", "256", "--out", str(tmp_path / "demo"),
+                       env=harvest_env(tmp_path / "cache", devices=1), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("verify: OK") == 2
+    clean = re.search(r"CE loss recovered [-\d.]+ \(CE clean ([\d.]+)", done.stdout)
+    assert clean and float(clean.group(1)) < 5, done.stdout
+    assert (tmp_path / "demo" / "features" / "index.html").is_file()
 
 
 def test_gemma3_tokenizer_is_the_gguf_one(gemma_checkpoint, gemma_tokenizer):
