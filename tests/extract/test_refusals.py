@@ -37,7 +37,7 @@ BAD = {
     "empty text field": (["--format", "text", "--text-field", ""], "--text-field: must name a field"),
     "mesh": (["--mesh", "data=16"], "16"),
     "points": (["--points", "resid_post:40"], "40"),
-    "TL hook": (["--points", "blocks.0.attn.hook_z"], "no TransformerLens hook 'blocks.0.attn.hook_z'; it has"),
+    "TL hook": (["--points", "blocks.0.attn.hook_pattern"], "no TransformerLens hook 'blocks.0.attn.hook_pattern'; it has"),
     "size": (["--shard-size", "12XB"], "--shard-size '12XB'"),
 }
 
