@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import logging
+import os
 import re
 
 import jax

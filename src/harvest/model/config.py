@@ -160,6 +160,23 @@ class Fields:
             raise self.error(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         return hidden, heads, kv_heads, head_dim
 
+    def sizes(self, head_dim_required: bool = False) -> dict[str, int]:
+        """ModelConfig's sizes, from HF's usual keys (hidden_size, num_attention_heads, ...), checked."""
+        hidden, heads, kv_heads, head_dim = self.heads(head_dim_required)
+        return dict(vocab_size=self.need("vocab_size"), hidden_size=hidden, intermediate_size=self.need(
+            "intermediate_size"), num_layers=self.need("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim)
+
+    def sliding(self, num_layers: int) -> list[bool]:
+        """Per layer, whether layer_types slides it (none slides without layer_types)."""
+        types = self.layer_types(num_layers)
+        return [t == "sliding_attention" for t in types] if types else [False] * num_layers
+
+    def ropes(self, head_dim: int, sliding: list[bool]) -> dict[str, RopeConfig | None]:
+        """ModelConfig's rope (the full-attention layers') and local_rope (the sliding layers', where it differs)."""
+        rope, local = self.rope(head_dim, "full_attention"), self.rope(head_dim, "sliding_attention")
+        return dict(rope=rope, local_rope=local if local != rope and any(sliding) else None)
+
     def rope(self, head_dim: int, layer_type: str | None = None) -> RopeConfig:
         """v5: rope_parameters holds rope_theta and the scaling (per layer type where the family has several);
         v4: rope_theta + rope_scaling."""

@@ -25,24 +25,14 @@ def config(hf: dict[str, Any], src: str) -> ModelConfig:
     else:
         hf = through_transformers(hf, src, model_type)
     f = Fields(hf, src)
-    hidden, heads, kv_heads, head_dim = f.heads(head_dim_required=True)
-    num_layers = f.need("num_hidden_layers")
+    sizes = f.sizes(head_dim_required=True)
     later = model_type != "gemma"  # Gemma 2 and 3
-    types = f.layer_types(num_layers) if later else None
-    sliding = [t == "sliding_attention" for t in types] if types else [False] * num_layers
-    rope, local = f.rope(head_dim, "full_attention"), f.rope(head_dim, "sliding_attention")
+    sliding = f.sliding(sizes["num_layers"]) if later else [False] * sizes["num_layers"]
     return ModelConfig(
         model_type=model_type,
-        vocab_size=f.need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=f.need("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        **sizes,
         norm_eps=float(f.need("rms_norm_eps", (int, float))),
-        rope=rope,
-        local_rope=local if local != rope and any(sliding) else None,
+        **f.ropes(sizes["head_dim"], sliding),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         qkv_bias=bool(hf.get("attention_bias", False)),
         o_bias=bool(hf.get("attention_bias", False)),

@@ -13,21 +13,15 @@ from harvest.model.families.base import Family, Source, linear, through_transfor
 def config(hf: dict[str, Any], src: str) -> ModelConfig:
     hf = through_transformers(hf, src, "gpt_neox")
     f = Fields(hf, src)
-    hidden, heads, _, head_dim = f.heads()
+    sizes = f.sizes()  # GPT-NeoX has no kv heads of its own: num_kv_heads = num_heads
+    head_dim, layers = sizes["head_dim"], sizes["num_layers"]
     rotary = int(head_dim * f.partial_rotary())
     if rotary % 2 or not rotary:
         raise f.error(f"partial_rotary_factor gives {rotary} rotary dims of {head_dim}; they must be even and > 0")
-    layers = f.need("num_hidden_layers")
     bias = bool(hf.get("attention_bias", True))
     return ModelConfig(
         model_type="gpt_neox",
-        vocab_size=f.need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=f.need("intermediate_size"),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
+        **sizes,
         norm_eps=float(f.need("layer_norm_eps", (int, float))),
         rope=f.rope(head_dim),
         rotary_dim=rotary,

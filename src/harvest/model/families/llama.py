@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harvest.model.config import ModelConfig
-from harvest.model.config import Fields
+from harvest.model.config import Fields, ModelConfig
 from harvest.model.families.base import Family, Source, linear
 
 # transformers' own defaults for tie_word_embeddings when the key is absent (HF semantics, not a guess).
@@ -19,38 +18,30 @@ def config(hf: dict[str, Any], src: str) -> ModelConfig:
     f = Fields(hf, src)
     model_type = hf["model_type"]
     f.one_of("hidden_act", hf.get("hidden_act", "silu"), {"silu": "silu"})
-    hidden, heads, kv_heads, head_dim = f.heads(head_dim_required=model_type == "qwen3")
-    if head_dim % 2:
-        raise f.error(f"head_dim {head_dim} must be even for rotary embeddings")
+    sizes = f.sizes(head_dim_required=model_type == "qwen3")
+    if sizes["head_dim"] % 2:
+        raise f.error(f"head_dim {sizes['head_dim']} must be even for rotary embeddings")
     if f.partial_rotary() != 1.0:
         raise f.error(f"partial_rotary_factor {f.partial_rotary()!r} is not supported (only 1.0)")
-    num_layers = f.need("num_hidden_layers")
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
         model_type=model_type,
-        vocab_size=f.need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=f.need("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        **sizes,
         norm_eps=float(f.need("rms_norm_eps", (int, float))),
-        rope=f.rope(head_dim),
+        rope=f.rope(sizes["head_dim"]),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", _TIE_DEFAULT[model_type])),
         qkv_bias=True if model_type == "qwen2" else (attention_bias and model_type != "mistral"),
         o_bias=attention_bias and model_type in ("llama", "qwen3"),
         mlp_bias=bool(hf.get("mlp_bias", False)) and model_type == "llama",
         qk_norm="head" if model_type == "qwen3" else None,
-        sliding_windows=f.windows(_sliding(f, model_type, num_layers)),
+        sliding_windows=f.windows(_sliding(f, model_type, sizes["num_layers"])),
     )
 
 
 def _sliding(f: Fields, model_type: str, num_layers: int) -> list[bool]:
     """Which layers attend through a sliding window, in both dialects."""
-    types = f.layer_types(num_layers)
-    if types is not None:
-        return [t == "sliding_attention" for t in types]
+    if f.layer_types(num_layers) is not None:
+        return f.sliding(num_layers)
     window = f.hf.get("sliding_window")
     if model_type == "mistral":
         return [window is not None] * num_layers

@@ -15,24 +15,14 @@ def config(hf: dict[str, Any], src: str) -> ModelConfig:
     model_type = hf["model_type"]
     hf = through_transformers(hf, src, model_type)
     f = Fields(hf, src)
-    hidden, heads, kv_heads, head_dim = f.heads()
-    num_layers = f.need("num_hidden_layers")
-    types = f.layer_types(num_layers)
-    sliding = [t == "sliding_attention" for t in types] if types else [False] * num_layers
-    rope, local = f.rope(head_dim, "full_attention"), f.rope(head_dim, "sliding_attention")
+    sizes = f.sizes()
+    sliding = f.sliding(sizes["num_layers"])
     bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
         model_type=model_type,
-        vocab_size=f.need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=f.need("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        **sizes,
         norm_eps=float(f.need("rms_norm_eps", (int, float))),
-        rope=rope,
-        local_rope=local if local != rope and any(sliding) else None,
+        **f.ropes(sizes["head_dim"], sliding),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bias,
         o_bias=bias,
