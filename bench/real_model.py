@@ -15,7 +15,6 @@ Run:  .venv/bin/python bench/real_model.py                    (~5 minutes on 2 C
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -76,8 +75,6 @@ def main() -> None:
     tokens = sum(min(len(ids), args.max_seq_len) for ids in tokenizer(texts)["input_ids"])
     root = Path(tempfile.mkdtemp(prefix="harvest-real-"))
     env = {**os.environ, "HARVEST_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1"}
-    shutil.copytree(args.cache / "harvest" / "gguf", root / "cache" / "gguf", dirs_exist_ok=True) \
-        if (args.cache / "harvest" / "gguf").exists() else None
     data = write_data(texts, root / "texts.jsonl")
     points = "resid_post:" + ",".join(map(str, layers))
     harvest_cmd = harvest_command(model_dir, data, root / "harvest", points, args.max_seq_len, args.batch_size)
@@ -98,13 +95,12 @@ def main() -> None:
         seconds["later"].append(timed(harvest_cmd))
         print(f"  round {k + 1}: harvest {seconds['first'][-1]:.1f} s (compiles), {seconds['later'][-1]:.1f} s "
               f"(compile cache), HF {seconds['hf'][-1]:.1f} s", flush=True)
-    summary = json.loads((root / "harvest" / "run.json").read_text())["model"]
     hf = min(seconds["hf"])
     rows = [[what, f"{min(seconds[key]):.1f}", f"{tokens / min(seconds[key]):,.0f}", f"{hf / min(seconds[key]):.2f}x"]
             for what, key in (("harvest extract, first job (compiles)", "first"),
                               ("harvest extract, later jobs (compile cache)", "later"),
                               ("python bench/hf_loop.py", "hf"))]
-    show(f"{Path(str(source)).name} ({summary['model_type']}) on CPU, whole processes: {points}, float32 compute, "
+    show(f"{Path(str(source)).name} ({cfg.model_type}) on CPU, whole processes: {points}, float32 compute, "
          f"bf16 storage", ["command", "seconds", "tokens/s", "vs HF"], rows,
          f"{tokens:,} real tokens of {len(texts)} paragraphs, cut at {args.max_seq_len}; load "
          f"{os.getloadavg()[0]:.1f} at the end", columns=120)
