@@ -160,10 +160,9 @@ def test_pallas_gpu_tiles_override_fills_in_from_the_table_and_bad_ones_are_one_
 
 
 def test_auto_picks_by_backend_and_refusals_are_one_line_errors():
-    windows, mesh8 = (None, 100), make_mesh("data=8")
+    windows = (None, 100)
     assert jax.default_backend() == "cpu"
     assert resolve("auto", windows, 256) == "blocks"
-    assert resolve("auto", windows, 256, mesh8) == "dense"  # blocks on a mesh: the host's cores as one slot only
     assert resolve("auto", windows, 256, backward=True) == "dense"  # blocks has no backward pass
     assert resolve("pallas-gpu", windows, 100) == "pallas-gpu"  # a window as long as the row hides nothing
     for kind, seq, backward, words in (("pallas-gpu", 256, False, "sliding window of 100 tokens"),

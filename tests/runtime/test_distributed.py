@@ -129,6 +129,40 @@ def test_initialize_after_a_jax_computation_is_a_clear_error(clean_env):
     assert not jax.distributed.is_initialized()
 
 
+def test_stop_agreement_checks_where_the_earliest_proposal_says(monkeypatch):
+    """Two processes (the other one's rows faked): each check sends (notice, the step a second of steps ahead at
+    its own pace, at most the last step); the next check is the earliest of those; a notice on either stops.
+    The first checks come a step apart: no pace yet, then the compile's."""
+    import types
+
+    import jax
+    from jax.experimental import multihost_utils
+
+    clock, sent = [0.0], []
+    others = iter([(0, 12), (0, 13), (0, 40), (1, 200)])  # the other process's (notice, next check)
+
+    def allgather(mine: np.ndarray) -> np.ndarray:
+        sent.append(mine.tolist())
+        return np.stack([mine, np.asarray(next(others), np.int32)])
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+    monkeypatch.setattr(D, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    agreement, checked = D.StopAgreement(10, 80, every_s=1.0), []
+    for step in range(11, 80):
+        clock[0] += 5.0 if step == 11 else 0.02  # the compile, then 20 ms a step
+        if agreement.due(step):
+            checked.append(step)
+            if agreement.stop(step, False):
+                break
+    assert checked == [11, 12, 13, 40]
+    assert sent == [[0, 12], [0, 13], [0, 63], [0, 80]]  # 13 + 1 s / 20 ms; 40 + 50 is past the last step
+
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    one = D.StopAgreement(0, 10)  # checks every step, with no collective (allgather would fail: others is spent)
+    assert all(one.due(step) for step in range(1, 11)) and one.stop(1, True) and not one.stop(2, False)
+
+
 # --- a real run: 2 processes x 4 CPU devices against the unsharded forward in this process ---------------
 
 MESHES = "2d,1d,3d"

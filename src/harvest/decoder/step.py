@@ -50,7 +50,7 @@ def make_step(cfg: ModelConfig, mesh: Mesh, optimizer: optax.GradientTransformat
     them is refused here, before anything is traced)."""
     constrain = constrainer(mesh)
     batch = batch_sharding(batch_shape, mesh)
-    attention = resolve(attention, cfg.sliding_windows, batch_shape[1], mesh, backward=True,
+    attention = resolve(attention, cfg.sliding_windows, batch_shape[1], backward=True,
                         softcap=cfg.attn_softcap)
     loss = partial(loss_sum, cfg=cfg, compute_dtype=compute_dtype, remat=remat, constrain=constrain,
                    attention=attention, mesh=mesh)

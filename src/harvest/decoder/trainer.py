@@ -66,7 +66,7 @@ class DecoderTrainer(Trainer):
             raise UserError(f"tokenizer {tokenizer_dir} has {len(self.tokenizer)} tokens, more than the model's "
                             f"vocab_size {self.model.vocab_size}")
         self.compute_dtype = cfg.compute_dtype or default_compute_dtype()
-        self.attention = resolve_attention(cfg.attention, self.model.sliding_windows, cfg.seq_len, mesh,
+        self.attention = resolve_attention(cfg.attention, self.model.sliding_windows, cfg.seq_len,
                                            backward=True, softcap=self.model.attn_softcap)
         details = DecoderDetails(hf_config, str(tokenizer_dir), self.model.model_type, _num_params(self.model))
         return RunRecord(self.kind, cfg.to_dict(), cfg.run_settings(), describe(mesh),

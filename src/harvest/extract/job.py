@@ -93,12 +93,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     chosen = _chosen_streams(cfg, data.num_streams)
     # The attention kernel is resolved once, here: every process must compile the same program, so it goes into
     # run.json's config and the agreement. It is no output setting (another kernel rounds differently, no more),
-    # so a resume may resolve another. A one-process CPU run's cores choose as one device would (blocks).
+    # so a resume may resolve another.
     if model.rope is None and cfg.max_seq_len > model.max_positions:
         raise UserError(f"--max-seq-len {cfg.max_seq_len}: {cfg.model} has learned positions for "
                         f"{model.max_positions} tokens; use --max-seq-len {model.max_positions} or less")
     cfg = dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, model.sliding_windows, cfg.max_seq_len,
-                                                               None if one_slot else mesh,
                                                                softcap=model.attn_softcap))
     run_info = build_run_info(cfg, model, plan, checkpoint, data, compute_dtype)
     distributed.agree({**agreed(run_info), "harvest_version": run_info.harvest_version, "streams": chosen,

@@ -38,8 +38,8 @@ def limiting(windows, seq: int) -> tuple[int | None, ...]:
     return tuple(w if w is not None and w < seq else None for w in windows)
 
 
-def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backward: bool = False,
-            softcap: float | None = None, backend: str | None = None) -> str:
+def resolve(kind: str, windows=(), seq: int = 0, backward: bool = False, softcap: float | None = None,
+            backend: str | None = None) -> str:
     """The implementation `kind` names ("auto": the backend's best that serves these windows and this score
     softcap, and a backward pass where training needs one), or an AttentionError for a kind that cannot serve
     them. Where auto passes over a kernel the backend has, it says so in one line. `backend`: jax's default."""
@@ -55,7 +55,7 @@ def resolve(kind: str, windows=(), seq: int = 0, mesh: Mesh | None = None, backw
                             "attention (seq^2 memory per row)", lacks)
                 return "dense"
             return kind
-        return "blocks" if (mesh is None or mesh.devices.size == 1) and not backward else "dense"
+        return "dense" if backward else "blocks"
     if kind == "blocks" and backward:
         raise AttentionError("--attention blocks: its loop runs over each batch's real block pairs, a count known "
                              "only at run time, which has no backward pass; train with --attention dense (or auto)")
@@ -79,14 +79,18 @@ def attention_of(kind: str, segment_ids: jax.Array, windows, scale: float, mesh:
     scan) with `windows[i]` (None: full causal) and scores capped at `softcap` (cap * tanh(s / cap); None:
     not capped)."""
     seq = segment_ids.shape[-1]
-    kind = resolve(kind, windows, seq, mesh, softcap=softcap)
+    kind = resolve(kind, windows, seq, softcap=softcap)
     windows = limiting(windows, seq)
     if kind in ("dense", "blocks"):
         window = jnp.asarray([w or seq for w in windows], jnp.int32)
-        if kind == "blocks" and mesh is not None and mesh.devices.size > 1:  # each device its own rows' pairs
-            local = lambda w: lambda q, k, v, rows: block_sparse_attention(q, k, v, rows, w, block_pairs(rows), scale,
-                                                                           softcap)
-            return lambda i: lambda q, k, v: _sharded(local(window[i]), mesh, q, k, v, segment_ids)
+        if kind == "blocks" and mesh is not None and mesh.devices.size > 1:
+            # Each device lists its own rows' pairs, once for all layers, and loops over them alone.
+            rows = PartitionSpec(logical_spec(segment_ids.shape, ("batch", None), mesh)[0])
+            pairs = jax.shard_map(block_pairs, mesh=mesh, in_specs=PartitionSpec(*rows, None),
+                                  out_specs=(rows, rows))(segment_ids)
+            local = lambda w: lambda q, k, v, segments, *pairs: block_sparse_attention(q, k, v, segments, w, pairs,
+                                                                                      scale, softcap)
+            return lambda i: lambda q, k, v: _sharded(local(window[i]), mesh, q, k, v, segment_ids, *pairs)
         if kind == "blocks":
             pairs = block_pairs(segment_ids)
             return lambda i: lambda q, k, v: block_sparse_attention(q, k, v, segment_ids, window[i], pairs, scale,
@@ -138,9 +142,10 @@ def _kernel(local, q, k, v, segment_ids, *, mesh: Mesh | None):
     return out[:, :seq]
 
 
-def _sharded(local, mesh: Mesh, q, k, v, segment_ids):
+def _sharded(local, mesh: Mesh, q, k, v, segment_ids, *by_rows):
     """Rows over the data axes, query heads over `model` where they divide it and each device's heads fall in
-    whole kv groups or inside one (its kv heads are then split alike, or sliced from a replicated copy)."""
+    whole kv groups or inside one (its kv heads are then split alike, or sliced from a replicated copy).
+    `by_rows`: 1-d arrays split as the rows are (each device's block pairs)."""
     rows = logical_spec(segment_ids.shape, ("batch", None), mesh)[0]
     heads, groups, m = q.shape[2], k.shape[2], mesh.shape["model"]
     rep, per_device = heads // groups, heads // m
@@ -149,15 +154,16 @@ def _sharded(local, mesh: Mesh, q, k, v, segment_ids):
     q_spec = PartitionSpec(rows, None, "model" if split else None, None)
     kv_spec = PartitionSpec(rows, None, "model" if kv_split else None, None)
 
-    def body(q, k, v, segment_ids):
+    def body(q, k, v, segment_ids, *by_rows):
         if split and not kv_split:  # this device's query heads all belong to one kv group
             group = jax.lax.axis_index("model") * per_device // rep
             k, v = (jax.lax.dynamic_slice_in_dim(x, group, 1, axis=2) for x in (k, v))
-        return local(q, k, v, segment_ids)
+        return local(q, k, v, segment_ids, *by_rows)
 
     # check_vma off: Pallas calls do not declare how their outputs vary over the mesh.
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows, None)),
-                         out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
+    specs = (q_spec, kv_spec, kv_spec, PartitionSpec(rows, None), *[PartitionSpec(rows)] * len(by_rows))
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(q, k, v, segment_ids,
+                                                                                            *by_rows)
 
 
 def _splash(q, k, v, segment_ids, *, window: int | None, scale: float, softcap: float | None, interpret: bool):

@@ -13,8 +13,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import math
 import re
 import sys
+import time
 from typing import Mapping
 
 import jax
@@ -236,6 +238,43 @@ def any_true(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.process_allgather(np.asarray([flag], np.int32)).any())
+
+
+CHECK_EVERY_S = 1.0  # how far apart, in seconds of steps, StopAgreement's checks land
+
+
+class StopAgreement:
+    """Whether any process got a preemption notice, agreed on by all at the same step of a loop that visits every
+    step, without a collective at every step: a collective's host read waits for the device to finish the step
+    just dispatched, so one per step keeps the host from queueing step k+1 while step k runs. The processes meet
+    only at check steps, about `every_s` apart: at each, one small all-gather of every process's notice and its
+    proposal for the next check (`every_s` ahead at the pace it measured between its last two checks, at least
+    one step, at most `last`); all take the earliest proposal, so all check at the same steps. (Not the
+    coordination service's barriers: they notice a dead peer only after the heartbeat timeout, a collective at
+    once.) One process checks every step, for free."""
+
+    def __init__(self, step: int, last: int, every_s: float = CHECK_EVERY_S):
+        self.next, self._last, self._every_s = step + 1, last, every_s
+        self._one = jax.process_count() == 1
+        self._mark = (step, time.monotonic())  # the step and time the last check returned
+        self._pace = math.inf  # seconds per step between the last two checks (none yet: check at the next step)
+
+    def due(self, step: int) -> bool:
+        return self._one or step >= self.next
+
+    def stop(self, step: int, notice: bool) -> bool:
+        """True if any process gave a notice. Every process calls this at the same checks (`due`); one that
+        stops between checks (its notice came while it waited) calls it once, as the others' next check."""
+        if self._one:
+            return notice
+        from jax.experimental import multihost_utils
+
+        proposal = min(step + max(1, round(self._every_s / self._pace)), self._last)
+        gathered = multihost_utils.process_allgather(np.asarray([notice, proposal], np.int32)).reshape(-1, 2)
+        now = time.monotonic()
+        self._pace = max(now - self._mark[1], 1e-9) / max(step - self._mark[0], 1)
+        self._mark, self.next = (step, now), int(gathered[:, 1].min())
+        return bool(gathered[:, 0].any())
 
 
 def barrier(name: str) -> None:
