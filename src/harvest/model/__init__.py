@@ -24,7 +24,7 @@ from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime.mesh import constrainer, logical_sharding
 
 __all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "handed",
-           "load_decoder", "parse_points"]
+           "load_decoder", "lower_forward", "parse_points"]
 
 
 def default_compute_dtype() -> str:
@@ -129,23 +129,32 @@ def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int
     params' shapes alone, in the background: the compile (seconds on a CPU, minutes for a large model on a pod)
     overlaps reading the weights and the data's first rows. The result() is None; wait for it before the first
     batch, or that batch compiles the forward again."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
+    done = pool.submit(_compile_behind, lambda: lower_forward(model, points, mesh, shape, compute_dtype, out_dtype,
+                                                              moment_slots, attention, quantize).compile())
+    pool.shutdown(wait=False)
+    return done
+
+
+def lower_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, int],
+                  compute_dtype: str | None = None, out_dtype: str | None = None, moment_slots: int = 0,
+                  attention: str = "auto", quantize: str | None = None) -> jax.stages.Lowered:
+    """The program compile_forward compiles (same arguments), traced from the params' shapes alone: its
+    compiled text shows what crosses devices (tests/model/test_devices.py)."""
     path = resolve_checkpoint(str(model))
     cfg = ModelConfig.from_dir(path)
     plan = parse_points(points, cfg.num_layers)
     program = _forward_program(cfg, plan, mesh, out_dtype, attention, moment_slots, quantize)
     params = params_shape(cfg, dtype=compute_dtype or default_compute_dtype(), mesh=mesh, num_layers=plan.num_layers)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, mesh))
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
-    done = pool.submit(_compile_behind, program, (params, batch, batch))
-    pool.shutdown(wait=False)
-    return done
+    return program.lower(params, batch, batch)
 
 
-def _compile_behind(program, args) -> None:
+def _compile_behind(compile) -> None:
     """Compile at a lower CPU priority than the rest of the start-up (Linux: a thread's own nice value), which
     the first batch waits for too: the tokenizer's load, the checks, the feeder's first rows."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux: the compile competes evenly
         pass
-    program.lower(*args).compile()
+    compile()
