@@ -47,6 +47,7 @@ from harvest.runtime import cache, cores, distributed
 from harvest.runtime.mesh import data_slots, describe, make_mesh
 from harvest.runtime.sigterm import Interrupted, SigtermFlag
 from harvest.store import format as fmt, quant
+from harvest.store.bounds import IDLE_SLOTS_ADVICE
 from harvest.store.commit import ResumePoint, read_chain, sweep, wipe
 from harvest.store.committer import Committer
 from harvest.storage import Storage, StorageError
@@ -256,6 +257,18 @@ def _slot_plan(mesh, chosen: list[int], one_slot: bool = False) -> tuple[dict[in
     return fed, {k for k in fed if grid[k][0].process_index == me}
 
 
+def idle_slots(todo: dict[int, list[int]]) -> list[int]:
+    """The data slots this process feeds that have no stream left to do while others have: each step computes
+    their rows as padding. Says so in one line, with what to do."""
+    idle = [k for k, streams_of_slot in todo.items() if not streams_of_slot]
+    left = sum(len(streams_of_slot) for streams_of_slot in todo.values())
+    if idle and left:
+        log.warning("%d of the %d data slots this process feeds have no stream to take (%d stream%s left for them): "
+                    "each step computes their rows as padding; %s", len(idle), len(todo), left,
+                    "" if left == 1 else "s", IDLE_SLOTS_ADVICE)
+    return idle
+
+
 def _chosen_streams(cfg: ExtractConfig, num_streams: int) -> list[int]:
     if cfg.streams is None:
         return list(range(num_streams))
@@ -319,7 +332,9 @@ def _extract(job: Extraction) -> dict[str, Any]:
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s], code) for s in mine if not resume[s].done}
     pin_sources(data, chains, writers)  # a resume reads the input its committed shards were made from, or refuses
     totals = info.data["counts"]
-    progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker)
+    idle = idle_slots(todo)
+    progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker,
+                        slots=(len(idle), len(todo)))
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,
                           on_lost=leases.lose, generation=leases.generation)
     encode = prompts.encoder(job.tokenizer, cfg.format)

@@ -36,8 +36,10 @@ LOG_EVERY_S = 10.0
 class Progress:
     """Counts rows as the host finishes them (live view) and shards as they commit (progress.json)."""
 
-    def __init__(self, out: Storage, totals: dict[int, int | None], resume: dict[int, ResumePoint], worker: str):
+    def __init__(self, out: Storage, totals: dict[int, int | None], resume: dict[int, ResumePoint], worker: str,
+                 slots: tuple[int, int] = (0, 1)):
         self.out = out
+        self.slots = slots  # (data slots without a stream, data slots) this process feeds
         self.totals = totals
         self.worker = worker
         self.started = time.monotonic()
@@ -82,7 +84,7 @@ class Progress:
             total=manifest.records if manifest.final else self.totals.get(manifest.stream),
             shards=manifest.shard + 1, tokens_per_s=round(rate, 1), worker=self.worker,
             updated_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), done=manifest.final, packing=packing,
-            bound=shares.bound, bound_share=round(shares.bound_share, 3))
+            bound=shares.bound, bound_share=round(shares.bound_share, 3), slots=self.slots)
         self.out.write_bytes(fmt.progress_path(manifest.stream), record.to_bytes())
 
     def line(self) -> str:

@@ -32,6 +32,9 @@ ADVICE = {
     "feeder": "reading and tokenizing set the pace: pre-tokenized streams (harvest streams create), a closer "
               "or faster source, longer records per row",
 }
+# Data slots with no stream to take compute padding rows: a waste no stage's share shows (the chip looks busy).
+IDLE_SLOTS_ADVICE = ("split the data into at least as many streams as the mesh has data slots (harvest streams "
+                     "create --num-streams N), or give --mesh fewer data slots (data x fsdp)")
 
 
 @dataclasses.dataclass(frozen=True)

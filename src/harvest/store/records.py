@@ -307,7 +307,8 @@ class Progress(Record):
     """`stream_NNNNN/progress.json`, rewritten after each commit, for `harvest status`; never read for
     correctness. `total` is None while a plain source's length is unknown. `bound`: the stage that bounded the
     worker's pipeline so far (chip, host, storage or feeder: harvest.store.bounds), `bound_share` its share of
-    the time; "" in records written before them, or before the first batch."""
+    the time; "" in records written before them, or before the first batch. `slots`: (data slots without a
+    stream to take, data slots) of the worker's process: idle slots compute padding ((0, 0) in older records)."""
 
     stream: int
     records_done: int
@@ -320,6 +321,7 @@ class Progress(Record):
     packing: tuple[int, ...] = (0, 0)  # (real tokens, row tokens computed) of this session's rows: packing efficiency
     bound: str = ""
     bound_share: float = 0.0
+    slots: tuple[int, ...] = (0, 0)
 
 
 @dataclasses.dataclass(frozen=True)

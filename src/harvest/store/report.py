@@ -24,7 +24,7 @@ from harvest.console import table_console
 from harvest.ranges import format_ranges
 from harvest.storage import Storage
 from harvest.store import format as fmt
-from harvest.store.bounds import ADVICE
+from harvest.store.bounds import ADVICE, IDLE_SLOTS_ADVICE
 from harvest.store.listing import (covered_streams, read_chains, read_lease, read_progress, read_run_info,
                                    stream_count)
 from harvest.store.records import RunInfo, Sidecar
@@ -134,6 +134,8 @@ def _row(info: RunInfo, scanned: dict[str, Any], now: datetime) -> dict[str, Any
         "worker": progress.worker if progress else "-", "age": age,
         # the stage that bounded the stream's worker, as it last recorded it, and that stage's share of its time
         "bound": (progress.bound, progress.bound_share) if progress and progress.bound else None,
+        # (data slots without a stream, data slots) of the worker's process, as it last recorded them
+        "slots": tuple(progress.slots) if progress and len(progress.slots) == 2 else None,
     }
 
 
@@ -203,9 +205,16 @@ def status_table(url: str | Storage | RunScanner, *, max_rows: int | None = None
         f"bytes per token: {_per_token(stored, tokens)} stored; the values "
         + ", ".join(f"{name} {size:,} B" for name, size in token_bytes(scanner.info).items())
         + f" ({scanner.info.dtype}{', with a float32 scale' if scanner.info.quantization else ''})",
-        *(f"bound {stage}: {ADVICE[stage]}" for stage in bounds if stage in ADVICE)])
+        *(f"bound {stage}: {ADVICE[stage]}" for stage in bounds if stage in ADVICE),
+        *(f"idle slots: {worker} computed {idle} of its {slots} data slots as padding, with no stream to take: "
+          f"{IDLE_SLOTS_ADVICE}" for worker, (idle, slots) in idle_slots_of(rows).items())])
     table.caption_justify = "left"
     return table
+
+
+def idle_slots_of(rows: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+    """{worker: (data slots without a stream, data slots)} of the workers whose last record has idle slots."""
+    return {r["worker"]: r["slots"] for r in rows if r["slots"] and r["slots"][0]}
 
 
 def token_bytes(info: RunInfo) -> dict[str, int]:
