@@ -53,6 +53,7 @@ from harvest.store.committer import Committer
 from harvest.storage import Storage, StorageError
 from harvest.store.lease import Leases
 from harvest.store.records import RunInfo
+from harvest.store.report import human_bytes
 
 log = logging.getLogger("harvest")
 
@@ -114,7 +115,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     compile_start = since_start()
     compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
-    compiled.add_done_callback(lambda _: clock.span("compile", compile_start))
+    compiled.add_done_callback(lambda done: (clock.span("compile", compile_start), _say_memory(done)))
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen, one_slot)
@@ -226,6 +227,24 @@ def _leave_untouched(out: Storage, leases: Leases, created_run: bool, existed: b
     except UserError as e:
         log.warning("could not remove run.json after the stop (%s)", e)
     return None
+
+
+def _say_memory(compiled: concurrent.futures.Future) -> None:
+    """One line: what the forward holds on each device, from its compiled program (before the first batch);
+    a warning where that is more than the device has (an accelerator's limit; the CPU's is the host's memory)."""
+    stats = None if compiled.exception() else compiled.result()
+    if stats is None:
+        return
+    weights, captures = stats.argument_size_in_bytes, stats.output_size_in_bytes
+    need = weights + captures + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    line = (f"memory: the forward holds {human_bytes(need)} a device (weights and batch {human_bytes(weights)}, "
+            f"captures {human_bytes(captures)}, working {human_bytes(stats.temp_size_in_bytes)})")
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit and need > limit:
+        log.warning("%s, more than the device's %s: lower --batch-size or --max-seq-len, or capture fewer points",
+                    line, human_bytes(limit))
+    else:
+        log.info(line)
 
 
 def _in_background(fn, *args, **kwargs) -> concurrent.futures.Future:

@@ -127,8 +127,9 @@ def compile_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int
                     attention: str = "auto", quantize: str | None = None) -> concurrent.futures.Future:
     """Compile the forward that load_decoder's Decoder (same arguments) runs on batches of `shape`, from the
     params' shapes alone, in the background: the compile (seconds on a CPU, minutes for a large model on a pod)
-    overlaps reading the weights and the data's first rows. The result() is None; wait for it before the first
-    batch, or that batch compiles the forward again."""
+    overlaps reading the weights and the data's first rows. The result() is the compiled program's memory on
+    each device (jax's CompiledMemoryStats; None where the backend cannot say): what the run needs, known before
+    its first batch. Wait for it before the first batch, or that batch compiles the forward again."""
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compile")
     done = pool.submit(_compile_behind, lambda: lower_forward(model, points, mesh, shape, compute_dtype, out_dtype,
                                                               moment_slots, attention, quantize).compile())
@@ -150,11 +151,11 @@ def lower_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, 
     return program.lower(params, batch, batch)
 
 
-def _compile_behind(compile) -> None:
+def _compile_behind(compile):
     """Compile at a lower CPU priority than the rest of the start-up (Linux: a thread's own nice value), which
     the first batch waits for too: the tokenizer's load, the checks, the feeder's first rows."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux: the compile competes evenly
         pass
-    compile()
+    return compile().memory_analysis()
