@@ -115,7 +115,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     compile_start = since_start()
     compiled = compile_forward(checkpoint, cfg.points, mesh, (data_slots(mesh) * cfg.batch_size, cfg.max_seq_len),
                                **decoding)
-    compiled.add_done_callback(lambda done: (clock.span("compile", compile_start), _say_memory(done)))
+    compiled.add_done_callback(lambda _: clock.span("compile", compile_start))
     tokenizer = tokenizer_loading.result()
     render = _renderer(cfg, tokenizer)
     fed, owned = _slot_plan(mesh, chosen, one_slot)
@@ -371,6 +371,7 @@ def _extract(job: Extraction) -> dict[str, Any]:
         return pack_stream(events, cfg.max_seq_len, skip_before=point.row_start)
 
     start = time.monotonic()
+    job.compiled.add_done_callback(_say_memory)  # past every refusal: a refused command says one line
     with progress.display(), distributed.peers_watched():
         stopped = run_pipeline(decoder, todo, stream_rows, cfg.batch_size, cfg.max_seq_len, writers, committer,
                                progress, job.failure, job.compiled, stop=lambda: job.sigterm.raised, startup=job.clock,
