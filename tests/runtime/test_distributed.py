@@ -131,15 +131,15 @@ def test_initialize_after_a_jax_computation_is_a_clear_error(clean_env):
 
 def test_stop_agreement_checks_where_the_earliest_proposal_says(monkeypatch):
     """Two processes (the other one's rows faked): each check sends (notice, the step a second of steps ahead at
-    its own pace, at most the last step); the next check is the earliest of those; a notice on either stops.
-    The first checks come a step apart: no pace yet, then the compile's."""
+    its own pace, on CPU at most CPU_MOST_AHEAD steps); the next check is the earliest proposal; a notice on
+    either stops. The first checks come a step apart: no pace yet, then the compile's."""
     import types
 
     import jax
     from jax.experimental import multihost_utils
 
     clock, sent = [0.0], []
-    others = iter([(0, 12), (0, 13), (0, 40), (1, 200)])  # the other process's (notice, next check)
+    others = iter([(0, 12), (0, 13), (0, 20), (0, 35), (0, 99), (1, 99)])  # the other process's (notice, next check)
 
     def allgather(mine: np.ndarray) -> np.ndarray:
         sent.append(mine.tolist())
@@ -148,15 +148,17 @@ def test_stop_agreement_checks_where_the_earliest_proposal_says(monkeypatch):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
     monkeypatch.setattr(D, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
-    agreement, checked = D.StopAgreement(10, 80, every_s=1.0), []
-    for step in range(11, 80):
-        clock[0] += 5.0 if step == 11 else 0.02  # the compile, then 20 ms a step
+    agreement, checked = D.StopAgreement(10, 1000, every_s=1.0), []
+    for step in range(11, 100):
+        clock[0] += 5.0 if step == 11 else 0.1 if step <= 20 else 0.02  # the compile, 100 ms a step, then 20
         if agreement.due(step):
             checked.append(step)
             if agreement.stop(step, False):
                 break
-    assert checked == [11, 12, 13, 40]
-    assert sent == [[0, 12], [0, 13], [0, 63], [0, 80]]  # 13 + 1 s / 20 ms; 40 + 50 is past the last step
+    assert checked == [11, 12, 13, 20, 30, 40]
+    assert D.CPU_MOST_AHEAD == 16 and jax.default_backend() == "cpu"
+    # each at the pace between the two checks before: 13 + 1 s / 100 ms; at 40, 40 + 16, not 40 + 1 s / 20 ms
+    assert sent == [[0, 12], [0, 13], [0, 23], [0, 30], [0, 40], [0, 56]]
 
     monkeypatch.setattr(jax, "process_count", lambda: 1)
     one = D.StopAgreement(0, 10)  # checks every step, with no collective (allgather would fail: others is spent)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import math
+import os
 import re
 import sys
 import time
@@ -241,6 +241,9 @@ def any_true(flag: bool) -> bool:
 
 
 CHECK_EVERY_S = 1.0  # how far apart, in seconds of steps, StopAgreement's checks land
+# jax's CPU runtime can hang when a host queues many steps whose collectives span processes (2 processes x 4
+# devices, a tiny decoder: 3 of 3 runs queueing 50-80 steps hung; runs synced every 16, 24 or 40 did not).
+CPU_MOST_AHEAD = 16  # so on CPU, checks (which wait for the device) at most this many steps apart
 
 
 class StopAgreement:
@@ -249,13 +252,14 @@ class StopAgreement:
     just dispatched, so one per step keeps the host from queueing step k+1 while step k runs. The processes meet
     only at check steps, about `every_s` apart: at each, one small all-gather of every process's notice and its
     proposal for the next check (`every_s` ahead at the pace it measured between its last two checks, at least
-    one step, at most `last`); all take the earliest proposal, so all check at the same steps. (Not the
-    coordination service's barriers: they notice a dead peer only after the heartbeat timeout, a collective at
-    once.) One process checks every step, for free."""
+    one step, on CPU at most CPU_MOST_AHEAD, never past `last`); all take the earliest proposal, so all check at
+    the same steps. (Not the coordination service's barriers: they notice a dead peer only after the heartbeat
+    timeout, a collective at once.) One process checks every step, for free."""
 
     def __init__(self, step: int, last: int, every_s: float = CHECK_EVERY_S):
         self.next, self._last, self._every_s = step + 1, last, every_s
         self._one = jax.process_count() == 1
+        self._most = CPU_MOST_AHEAD if jax.default_backend() == "cpu" else last
         self._mark = (step, time.monotonic())  # the step and time the last check returned
         self._pace = math.inf  # seconds per step between the last two checks (none yet: check at the next step)
 
@@ -269,7 +273,7 @@ class StopAgreement:
             return notice
         from jax.experimental import multihost_utils
 
-        proposal = min(step + max(1, round(self._every_s / self._pace)), self._last)
+        proposal = min(step + min(max(1, round(self._every_s / self._pace)), self._most), self._last)
         gathered = multihost_utils.process_allgather(np.asarray([notice, proposal], np.int32)).reshape(-1, 2)
         now = time.monotonic()
         self._pace = max(now - self._mark[1], 1e-9) / max(step - self._mark[0], 1)
