@@ -11,6 +11,7 @@ import sys
 import time
 
 ROWS_PER_DEVICE, SEQ, STEPS = 8, 2048, 3
+POINTS = "resid_post:all,mlp_in:0"
 
 
 def packed(rows: int, seed: int = 0):
@@ -34,7 +35,7 @@ def main(ckpt: str, devices: str, attention: str) -> None:
     from harvest.runtime.mesh import make_mesh
 
     assert jax.device_count() == int(devices), "XLA_FLAGS sets the process's CPU devices"
-    decoder = load_decoder(ckpt, "resid_post:all,mlp_in:0", make_mesh(f"data={devices}"), "float32", "bfloat16",
+    decoder = load_decoder(ckpt, POINTS, make_mesh(f"data={devices}"), "float32", "bfloat16",
                            moment_slots=4, attention=attention)
     tokens, segments = packed(ROWS_PER_DEVICE * int(devices))
     jax.block_until_ready(decoder.step(tokens, segments))  # compiles
