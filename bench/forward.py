@@ -237,7 +237,7 @@ def kernel_rows(cfg: ModelConfig, shapes: list[tuple[int, int]], attention: str,
     mesh = make_mesh(f"data={chips}")
     params = init_params(cfg, 0, mesh, dtype=dtype)
     plan = parse_points(points, cfg.num_layers)
-    kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in shapes), mesh)
+    kinds = list(dict.fromkeys(resolve(k, cfg.sliding_windows, max(s for _, s in shapes))
                                for k in attention.split(",")))
     peak = peak_flops_per_device(dtype)
     rows = []

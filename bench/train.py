@@ -95,7 +95,7 @@ def step_rows(preset: str, batch_rows: int, seq: int, sample_len: int, attention
     useful = 3 * forward_flops_per_token(model, mean_context(segments_host), head=True) * real  # per step
     peak = peak_flops_per_device(dtype)
     chips = jax.device_count()
-    kinds = list(dict.fromkeys(resolve(k, model.sliding_windows, seq, mesh, backward=True)
+    kinds = list(dict.fromkeys(resolve(k, model.sliding_windows, seq, backward=True)
                                for k in attention.split(",")))
 
     results = []  # (kind, what, seconds per step or the error that stopped it, FLOPs per step)
