@@ -201,3 +201,24 @@ def test_refresh_after_a_full_overwrite_by_another_model_reads_the_new_bytes(set
     run.refresh()
     assert run.info.model["source"] == str(other)
     np.testing.assert_array_equal(run.sample(0).activations["resid_post.1"], new)
+
+
+def test_a_listing_begun_before_an_overwrite_that_meets_its_deletions_says_started_over(tmp_path, monkeypatch):
+    """The interleaving the follower above can meet: it reads stream 0's generation, an --overwrite swaps the
+    generation pointer and deletes the ended generation's shards, and the follower lists what is left of them (a
+    gap: shard 0 gone, later ones there). That is the stream starting over, not a shard lost from storage."""
+    from fake_runs import fake_run
+
+    from harvest.store import format as fmt
+    from harvest.store import listing
+    from harvest.store.records import GenerationRecord
+    from harvest.store.snapshot import Snapshot
+
+    storage = fake_run(tmp_path).storage
+    before = Snapshot.take(storage)
+    assert before.generations()[0] == "" and len(before.of_stream(0)) > 1
+    storage.write_bytes(f"{fmt.stream_dir(0)}/{fmt.GENERATION}", GenerationRecord("ab" * 8, [""]).to_bytes())
+    storage.delete(fmt.sidecar_path(0, 0))  # the wipe's deletions, under way
+    monkeypatch.setattr(listing, "stream_generation", lambda storage, stream: "")  # read before the swap
+    with pytest.raises(StartedOverError, match="stream 0 started over"):
+        before.grown(storage)

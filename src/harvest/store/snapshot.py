@@ -19,7 +19,8 @@ import numpy as np
 from harvest.errors import UserError
 from harvest.storage import Storage
 from harvest.store import encoding, format as fmt, quant
-from harvest.store.listing import SHARD_ARRAYS, CorruptShardError, covered_streams, read_chains, read_run_info
+from harvest.store.listing import (SHARD_ARRAYS, CorruptShardError, covered_streams, read_chains, read_run_info,
+                                   stream_generation)
 from harvest.store.records import RunInfo, Sidecar
 from harvest.store.stats import RunningStats
 
@@ -88,7 +89,14 @@ class Snapshot:
                                    "started over, e.g. with --overwrite): what was read belongs to another run; "
                                    "start the reader over too (a new --out for an SAE)")
         known = {(sc.stream, sc.shard): sc for sc in self.shards}
-        chains = read_chains(storage, covered_streams(info), known=known)
+        try:
+            chains = read_chains(storage, covered_streams(info), known=known)
+        except UserError:  # a gap: an --overwrite deleting a generation this listing began in, or a real loss
+            read = self.generations()
+            gone = [s for s, g in read.items() if stream_generation(storage, s) != g]
+            if gone:
+                raise started_over(self.url, gone) from None
+            raise
         grown = dataclasses.replace(self, shards=tuple(sc for s in sorted(chains) for sc in chains[s]))
         grown.check_generations(self.generations())
         return grown
