@@ -15,7 +15,7 @@ import pytest
 from devices_worker import POINTS as WORKER_POINTS
 from devices_worker import ROWS_PER_DEVICE, SEQ
 
-from harvest.model import lower_forward
+from harvest.model import held_bytes, lower_forward
 from harvest.runtime.mesh import make_mesh
 
 COLLECTIVE = re.compile(r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|ragged-all-to-all|"
@@ -79,9 +79,8 @@ def device_bytes(ckpt: Path, devices: int) -> int:
     """What the compiled forward holds on each device (arguments, captures, working memory) at the worker's
     shapes: the memory a run needs, known before it starts."""
     mesh = make_mesh(f"data={devices}", jax.devices()[:devices])
-    stats = lower_forward(ckpt, WORKER_POINTS, mesh, (ROWS_PER_DEVICE * devices, SEQ), "float32", "bfloat16",
-                          moment_slots=4).compile().memory_analysis()
-    return stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+    return held_bytes(lower_forward(ckpt, WORKER_POINTS, mesh, (ROWS_PER_DEVICE * devices, SEQ), "float32",
+                                    "bfloat16", moment_slots=4).compile().memory_analysis())
 
 
 @pytest.mark.parametrize("devices", [4, 8])

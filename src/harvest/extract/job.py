@@ -36,6 +36,7 @@ from harvest.model import (
     ModelConfig,
     compile_forward,
     default_compute_dtype,
+    held_bytes,
     load_decoder,
     moments,
     parse_points,
@@ -236,7 +237,7 @@ def _say_memory(compiled: concurrent.futures.Future) -> None:
     if stats is None:
         return
     weights, captures = stats.argument_size_in_bytes, stats.output_size_in_bytes
-    need = weights + captures + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    need = held_bytes(stats)
     line = (f"memory: the forward holds {human_bytes(need)} a device (weights and batch {human_bytes(weights)}, "
             f"captures {human_bytes(captures)}, working {human_bytes(stats.temp_size_in_bytes)})")
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -276,14 +277,14 @@ def _slot_plan(mesh, chosen: list[int], one_slot: bool = False) -> tuple[dict[in
     return fed, {k for k in fed if grid[k][0].process_index == me}
 
 
-def idle_slots(todo: dict[int, list[int]]) -> list[int]:
-    """The data slots this process feeds that have no stream left to do while others have: each step computes
+def idle_slots(todo: dict[int, list[int]]) -> int:
+    """How many data slots this process feeds have no stream left to do while others have: each step computes
     their rows as padding. Says so in one line, with what to do."""
-    idle = [k for k, streams_of_slot in todo.items() if not streams_of_slot]
+    idle = sum(not streams_of_slot for streams_of_slot in todo.values())
     left = sum(len(streams_of_slot) for streams_of_slot in todo.values())
     if idle and left:
         log.warning("%d of the %d data slots this process feeds have no stream to take (%d stream%s left for them): "
-                    "each step computes their rows as padding; %s", len(idle), len(todo), left,
+                    "each step computes their rows as padding; %s", idle, len(todo), left,
                     "" if left == 1 else "s", IDLE_SLOTS_ADVICE)
     return idle
 
@@ -351,9 +352,8 @@ def _extract(job: Extraction) -> dict[str, Any]:
     writers = {s: ShardWriter(s, widths, dtype, cfg.shard_bytes, resume[s], code) for s in mine if not resume[s].done}
     pin_sources(data, chains, writers)  # a resume reads the input its committed shards were made from, or refuses
     totals = info.data["counts"]
-    idle = idle_slots(todo)
     progress = Progress(out, {s: (totals[s] if totals else None) for s in mine}, resume, worker=leases.worker,
-                        slots=(len(idle), len(todo)))
+                        slots=(idle_slots(todo), len(todo)))
     committer = Committer(out, on_commit=progress.committed, attempt=leases.id[:16], guard=leases.check,
                           on_lost=leases.lose, generation=leases.generation)
     encode = prompts.encoder(job.tokenizer, cfg.format)

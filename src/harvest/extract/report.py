@@ -37,7 +37,7 @@ class Progress:
     """Counts rows as the host finishes them (live view) and shards as they commit (progress.json)."""
 
     def __init__(self, out: Storage, totals: dict[int, int | None], resume: dict[int, ResumePoint], worker: str,
-                 slots: tuple[int, int] = (0, 1)):
+                 slots: tuple[int, int] = (0, 0)):
         self.out = out
         self.slots = slots  # (data slots without a stream, data slots) this process feeds
         self.totals = totals

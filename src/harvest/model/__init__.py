@@ -24,7 +24,7 @@ from harvest.model.weights import load_params, params_shape, resolve_checkpoint
 from harvest.runtime.mesh import constrainer, logical_sharding
 
 __all__ = ["POINTS", "CapturePlan", "Decoder", "ModelConfig", "compile_forward", "default_compute_dtype", "handed",
-           "load_decoder", "lower_forward", "parse_points"]
+           "held_bytes", "load_decoder", "lower_forward", "parse_points"]
 
 
 def default_compute_dtype() -> str:
@@ -149,6 +149,13 @@ def lower_forward(model: str | Path, points: str, mesh: Mesh, shape: tuple[int, 
     params = params_shape(cfg, dtype=compute_dtype or default_compute_dtype(), mesh=mesh, num_layers=plan.num_layers)
     batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=_batch_sharding(shape, mesh))
     return program.lower(params, batch, batch)
+
+
+def held_bytes(stats) -> int:
+    """What a compiled program (jax's CompiledMemoryStats) holds on each device: its arguments, its outputs and its
+    working memory, less the outputs that reuse an argument's buffer."""
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+            - stats.alias_size_in_bytes)
 
 
 def _compile_behind(compile):
